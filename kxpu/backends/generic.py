@@ -1,0 +1,189 @@
+"""Any device exposed as /dev nodes (FPGAs, NPUs, …): each glob match is a device, or ``count`` shares of one.
+
+Nodes that appear or disappear are picked up through inotify on their directories and
+reported at once. NUMA affinity comes from sysfs when the node is a real char/block device.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+import re
+import stat
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from kxpu.fswatch import directory_changes
+from kxpu.backends.mounts import MountConfig
+from kxpu.backends.registry import BackendConfig, register_backend
+from kxpu.backends.templates import check_env_templates, check_template, render_env
+from kxpu.logs import get_logger
+from kxpu.model import (
+    MAX_DEVICE_ID_LENGTH,
+    Backend,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    numa_packed,
+)
+
+log = get_logger("kxpu.backends.generic")
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+SHARE_SEPARATOR = "::"
+
+
+class DeviceGroup(BackendConfig):
+    paths: list[str] = Field(min_length=1)
+    container_path: str = Field(default="{path}", description="template: {path} (host path), {name}")
+    permissions: str = "rw"
+    count: int = Field(default=1, ge=1, le=1024, description="shares of each matched device")
+    env: dict[str, str] = Field(default_factory=dict)
+    mounts: list[MountConfig] = Field(default_factory=list)
+
+    @field_validator("paths")
+    @classmethod
+    def _absolute_globs(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if not pattern.startswith("/"):
+                raise ValueError(f"path glob {pattern!r} must be absolute")
+        return value
+
+    @field_validator("container_path")
+    @classmethod
+    def _container_template(cls, value: str) -> str:
+        check_template(value, ("path", "name"))
+        if not value.startswith(("/", "{path}")):
+            raise ValueError(f"containerPath {value!r} must be absolute")
+        return value
+
+    @field_validator("permissions")
+    @classmethod
+    def _permissions(cls, value: str) -> str:
+        if not value or not set(value) <= set("rwm"):
+            raise ValueError(f"permissions {value!r} must be a non-empty mix of r, w and m")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _templates(cls, value: dict[str, str]) -> dict[str, str]:
+        check_env_templates(value)
+        return value
+
+
+class GenericConfig(BackendConfig):
+    groups: list[DeviceGroup] = Field(min_length=1)
+
+
+def device_name(path: str) -> str:
+    """A stable, ID-safe name for a device node: its path under /dev (``dri/renderD128`` → ``dri_renderD128``)."""
+    rel = os.path.relpath(path, "/dev") if path.startswith("/dev/") else os.path.basename(path)
+    return _UNSAFE_ID_CHARS.sub("_", rel).lstrip("_.-") or "dev"
+
+
+def _numa_of(path: str) -> tuple[int, ...]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    kind = "char" if stat.S_ISCHR(st.st_mode) else "block" if stat.S_ISBLK(st.st_mode) else None
+    if kind is None:
+        return ()
+    sysfs = Path(f"/sys/dev/{kind}/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/device/numa_node")
+    try:
+        node = int(sysfs.read_text().strip())
+    except (OSError, ValueError):
+        return ()
+    return (node,) if node >= 0 else ()
+
+
+@register_backend("generic", GenericConfig)
+class GenericBackend(Backend):
+    def __init__(self, config: GenericConfig) -> None:
+        self.config = config
+        # Device ID → (group, host path); rebuilt by every discovery.
+        self._where: dict[str, tuple[DeviceGroup, str]] = {}
+
+    def discover(self) -> list[Device]:
+        devices: list[Device] = []
+        where: dict[str, tuple[DeviceGroup, str]] = {}
+        for group in self.config.groups:
+            for path in sorted({m for pattern in group.paths for m in glob.glob(pattern)}):
+                if os.path.isdir(path):
+                    continue
+                name = device_name(path)
+                numa = _numa_of(path)
+                ids = (
+                    [name]
+                    if group.count == 1
+                    else [f"{name}{SHARE_SEPARATOR}{i}" for i in range(group.count)]
+                )
+                for device_id in ids:
+                    if device_id in where:
+                        log.error(
+                            "two device nodes map to one ID; skipping the second",
+                            id=device_id,
+                            first=where[device_id][1],
+                            second=path,
+                        )
+                        continue
+                    if len(device_id) > MAX_DEVICE_ID_LENGTH:
+                        log.error("device path too long for a device ID; skipping", path=path)
+                        continue
+                    where[device_id] = (group, path)
+                    devices.append(Device(id=device_id, numa_nodes=numa, extra={"path": path}))
+        self._where = where
+        return devices
+
+    def _watched_dirs(self) -> list[Path]:
+        dirs: set[Path] = set()
+        for group in self.config.groups:
+            for pattern in group.paths:
+                parent = os.path.dirname(pattern)
+                wildcard = _GLOB_CHARS.search(parent)
+                if wildcard:
+                    # Watch the fixed part (new matching dirs appear there) and every matching dir.
+                    fixed = parent[: wildcard.start()]
+                    dirs.add(Path(fixed if fixed.endswith("/") else os.path.dirname(fixed)))
+                    dirs.update(Path(d) for d in glob.glob(parent) if os.path.isdir(d))
+                else:
+                    dirs.add(Path(parent))
+        return sorted(dirs)
+
+    async def watch(self) -> AsyncIterator[list[Device]]:
+        patterns = [p for g in self.config.groups for p in g.paths]
+
+        def relevant(path: Path) -> bool:
+            return any(fnmatch.fnmatch(str(path), p) for p in patterns)
+
+        async for _ in directory_changes(self._watched_dirs, relevant):
+            yield self.discover()
+
+    def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
+        edits = ContainerEdits()
+        for group in self.config.groups:
+            mine = [d for d in devices if self._where.get(d.id, (None, ""))[0] is group]
+            if not mine:
+                continue
+            nodes: dict[str, DeviceNode] = {}
+            for device in mine:
+                host = self._where[device.id][1]
+                container = group.container_path.format(path=host, name=os.path.basename(host))
+                nodes.setdefault(host, DeviceNode(container, host, group.permissions))
+            edits = edits.merge(
+                ContainerEdits(
+                    env=render_env(group.env, mine),
+                    mounts=[m.to_mount() for m in group.mounts],
+                    device_nodes=list(nodes.values()),
+                )
+            )
+        return edits
+
+    def preferred_allocation(
+        self, available: Sequence[Device], must_include: Sequence[Device], size: int
+    ) -> list[str]:
+        return numa_packed(available, must_include, size)

@@ -1,0 +1,89 @@
+"""Backends by config key: built-ins register on import, third parties through entry points.
+
+A config resource names its backend by one key (``simulated:``, ``generic:``, …); the
+registry maps that key to the backend's pydantic config model and its class, so the
+config layer can validate a section it knows nothing about and the daemon can build a
+backend without knowing any vendor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+from kxpu.model import Backend
+
+ENTRY_POINT_GROUP = "kxpu.backends"
+
+
+class BackendConfig(BaseModel):
+    """Base for a backend's config section: camelCase keys in YAML, unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    key: str
+    config_model: type[BackendConfig]
+    factory: Callable[[Any], Backend]
+
+
+_registry: dict[str, BackendSpec] = {}
+_entry_points_loaded = False
+
+B = TypeVar("B", bound=type[Backend])
+
+
+def register_backend(key: str, config_model: type[BackendConfig]) -> Callable[[B], B]:
+    """Class decorator: make a backend available under ``key`` in config files.
+
+    The class is constructed with one argument, its validated config section.
+    """
+
+    def decorate(cls: B) -> B:
+        existing = _registry.get(key)
+        if existing is not None and existing.factory is not cls:
+            raise ValueError(f"backend key {key!r} is already registered by {existing.factory!r}")
+        _registry[key] = BackendSpec(key, config_model, cls)
+        return cls
+
+    return decorate
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()  # importing the module registers its backends
+
+
+def import_backend_module(module: str) -> None:
+    """Import a module that registers backends (``kxpu plugin --import mypkg.backend``)."""
+    importlib.import_module(module)
+
+
+def lookup(key: str) -> BackendSpec | None:
+    if key not in _registry:
+        _load_entry_points()
+    return _registry.get(key)
+
+
+def known_keys() -> list[str]:
+    _load_entry_points()
+    return sorted(_registry)
+
+
+def build_backend(key: str, section: BackendConfig) -> Backend:
+    spec = lookup(key)
+    if spec is None:
+        raise LookupError(f"no backend registered under {key!r}")
+    return spec.factory(section)

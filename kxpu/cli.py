@@ -1,0 +1,150 @@
+"""The ``kxpu`` command: the top layer, wiring config, backends and the daemon together."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kxpu.backends.registry import build_backend, import_backend_module
+from kxpu.config import Config, ConfigError, ResourceConfig, load_config
+from kxpu.logs import LOG_LEVELS, configure_logging, get_logger
+from kxpu.model import Backend, Device
+
+log = get_logger("kxpu.cli")
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(message: str) -> None:
+    click.echo(f"kxpu: error: {message}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _build(resource: ResourceConfig) -> Backend:
+    return build_backend(resource.backend, resource.backend_config)
+
+
+def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str, ...]) -> Config:
+    for module in imports:
+        try:
+            import_backend_module(module)
+        except ImportError as exc:
+            _fail(f"--import {module}: {exc}")
+    try:
+        return load_config(config_path, device_plugin_dir)
+    except ConfigError as exc:
+        _fail(str(exc))
+        raise  # unreachable; keeps type checkers honest
+
+
+config_option = click.option(
+    "--config", "config_path", envvar="KXPU_CONFIG", required=True,
+    type=click.Path(dir_okay=False, path_type=Path), help="Config file (YAML). Env: KXPU_CONFIG.",
+)
+import_option = click.option(
+    "--import", "imports", multiple=True, metavar="MODULE",
+    help="Import a module that registers extra backends (repeatable).",
+)
+log_level_option = click.option(
+    "--log-level", envvar="KXPU_LOG_LEVEL", default="info", show_default=True,
+    type=click.Choice(LOG_LEVELS, case_sensitive=False), help="Env: KXPU_LOG_LEVEL.",
+)
+log_format_option = click.option(
+    "--log-format", envvar="KXPU_LOG_FORMAT", default="text", show_default=True,
+    type=click.Choice(["text", "json"]), help="key=value text or JSON lines. Env: KXPU_LOG_FORMAT.",
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kxpu")
+def main() -> None:
+    """kxpu: heterogeneous accelerators on Kubernetes."""
+
+
+@main.command()
+@config_option
+@click.option(
+    "--device-plugin-dir", envvar="KXPU_DEVICE_PLUGIN_DIR", type=click.Path(file_okay=False, path_type=Path),
+    help="Overrides devicePluginDir from the file. Env: KXPU_DEVICE_PLUGIN_DIR.",
+)
+@import_option
+@log_level_option
+@log_format_option
+def plugin(
+    config_path: Path, device_plugin_dir: Path | None, imports: tuple[str, ...], log_level: str, log_format: str
+) -> None:
+    """Serve the configured resources to the kubelet (the node daemon)."""
+    from kxpu.daemon import Daemon
+
+    configure_logging(log_level, "json" if log_format == "json" else "text")
+    config = _load(config_path, device_plugin_dir, imports)
+
+    def reload() -> Config:
+        return load_config(config_path, device_plugin_dir)
+
+    async def serve() -> int:
+        return await Daemon(config, reload, _build).run()
+
+    sys.exit(asyncio.run(serve()))
+
+
+def device_to_json(device: Device) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": device.id, "health": device.health.value}
+    for key in ("model", "uuid", "index", "memory_mib", "cores", "pci_bus_id"):
+        value = getattr(device, key)
+        if value is not None:
+            out[key] = value
+    if device.numa_nodes:
+        out["numa_nodes"] = list(device.numa_nodes)
+    if device.extra:
+        out["extra"] = dict(device.extra)
+    return out
+
+
+@main.command()
+@config_option
+@import_option
+@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@log_level_option
+def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level: str) -> None:
+    """Print what discovery finds for each resource, without serving anything."""
+    configure_logging(log_level, "text")
+    config = _load(config_path, None, imports)
+    found: dict[str, list[Device]] = {}
+    errors: dict[str, str] = {}
+    for resource in config.resources:
+        try:
+            found[resource.name] = _build(resource).discover()
+        except Exception as exc:
+            errors[resource.name] = f"{type(exc).__name__}: {exc}"
+    if output == "json":
+        doc: dict[str, Any] = {
+            name: {"backend": r.backend, "devices": [device_to_json(d) for d in found.get(name, [])]}
+            for r in config.resources
+            for name in [r.name]
+        }
+        for name, error in errors.items():
+            doc[name]["error"] = error
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        for resource in config.resources:
+            click.echo(f"{resource.name} ({resource.backend})")
+            if resource.name in errors:
+                click.echo(f"  error: {errors[resource.name]}")
+                continue
+            for d in found[resource.name]:
+                facts = [d.health.value]
+                if d.numa_nodes:
+                    facts.append("numa=" + ",".join(map(str, d.numa_nodes)))
+                facts += [f"{k}={v}" for k, v in device_to_json(d).items() if k not in ("id", "health", "numa_nodes")]
+                click.echo(f"  {d.id:<24} " + " ".join(facts))
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The config file: typed models, validated once at load, passed down.
+
+Each resource names exactly one backend by its key; that section is validated by the
+backend's own model from the registry. Errors name the field (``resources[1].simulated.count``)
+and say what is wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+import kxpu.backends  # noqa: F401  (registers the built-in backends)
+from kxpu.backends.registry import BackendConfig, known_keys, lookup
+
+DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+
+# The kubelet's rules for an extended resource name (v1helper.IsExtendedResourceName):
+# "domain/name", not in the kubernetes.io domains, not "requests.*", and "requests.<name>"
+# must be a qualified name.
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_QUALIFIED_NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+def check_extended_resource_name(name: str) -> str:
+    if "/" not in name:
+        raise ValueError(
+            f"{name!r} is not an extended resource name: it needs a domain, e.g. example.com/npu"
+        )
+    if "kubernetes.io/" in name:
+        raise ValueError(f"{name!r} is in a kubernetes.io domain, which is reserved for native resources")
+    if name.startswith("requests."):
+        raise ValueError(f"{name!r} must not start with 'requests.'")
+    prefix, _, short = ("requests." + name).partition("/")
+    if "/" in short:
+        raise ValueError(f"{name!r} has more than one '/'")
+    if len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix):
+        raise ValueError(f"the domain of {name!r} must be a lowercase DNS subdomain")
+    if len(short) > 63 or not _QUALIFIED_NAME_PART.match(short):
+        raise ValueError(
+            f"the name part of {name!r} must be at most 63 characters of letters, digits, '-', '_', '.', "
+            "starting and ending with a letter or digit"
+        )
+    return name
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+class ResourceConfig(_Model):
+    name: str
+    backend: str = Field(description="the backend key that appeared in the file")
+    backend_config: BackendConfig
+
+    @field_validator("name")
+    @classmethod
+    def _extended_resource_name(cls, value: str) -> str:
+        return check_extended_resource_name(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pick_backend(cls, data: Any) -> Any:
+        """Turn ``{name, <backendKey>: {...}}`` into ``{name, backend, backend_config}``."""
+        if not isinstance(data, dict) or "backend" in data:
+            return data
+        own = {"name"}
+        candidates = [k for k in data if k not in own]
+        unknown = [k for k in candidates if lookup(k) is None]
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {', '.join(map(repr, unknown))}; a resource takes 'name' and exactly one "
+                f"backend key out of: {', '.join(known_keys())}"
+            )
+        if len(candidates) != 1:
+            found = ", ".join(candidates) or "none"
+            raise ValueError(f"a resource needs exactly one backend key (found: {found})")
+        key = candidates[0]
+        spec = lookup(key)
+        assert spec is not None
+        section = data[key] if data[key] is not None else {}
+        rest = {k: v for k, v in data.items() if k != key}
+        try:
+            parsed = spec.config_model.model_validate(section)
+        except ValidationError as exc:
+            raise ValueError(_format_errors(exc, prefix=key)) from None
+        return {**rest, "backend": key, "backend_config": parsed}
+
+
+class Config(_Model):
+    version: Literal["v1"]
+    device_plugin_dir: Path = DEFAULT_DEVICE_PLUGIN_DIR
+    resources: list[ResourceConfig] = Field(min_length=1)
+
+    @field_validator("resources")
+    @classmethod
+    def _unique_names(cls, value: list[ResourceConfig]) -> list[ResourceConfig]:
+        names = [r.name for r in value]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"resource names must be unique; repeated: {', '.join(duplicates)}")
+        return value
+
+
+class ConfigError(Exception):
+    """The config file cannot be used; the message names the file and every bad field."""
+
+
+def _format_location(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def _format_errors(exc: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = _format_location(tuple(p for p in err["loc"] if p not in ("function-before", "function-after")))
+        where = ".".join(p for p in (prefix, loc) if p)
+        message = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {message}" if where else message)
+    return "; ".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_format_errors(exc)}") from None
+
+
+def load_config(path: Path, device_plugin_dir: Path | None = None) -> Config:
+    """Read and validate ``path``; a flag or env var value for the directory wins over the file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping with 'version' and 'resources'")
+    config = parse_config(data, str(path))
+    if device_plugin_dir is not None:
+        config = config.model_copy(update={"device_plugin_dir": device_plugin_dir})
+    return config

@@ -1,0 +1,116 @@
+"""The node daemon: one runner per resource, the device-plugin directory watch, signals and reload."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kxpu.config import Config, ConfigError, ResourceConfig
+from kxpu.daemon.resource import BackendFactory, ResourceRunner
+from kxpu.fswatch import directory_changes
+from kxpu.logs import get_logger
+
+log = get_logger("kxpu.daemon")
+
+
+@dataclass
+class _Running:
+    runner: ResourceRunner
+    task: asyncio.Task[None]
+
+
+class Daemon:
+    """Serves every configured resource; SIGHUP reloads, SIGTERM/SIGINT stop cleanly."""
+
+    def __init__(self, config: Config, reload_config: Callable[[], Config], build: BackendFactory) -> None:
+        self.config = config
+        self._reload_config = reload_config
+        self._build = build
+        self._running: dict[str, _Running] = {}
+        self._stop = asyncio.Event()
+        self._reload_lock = asyncio.Lock()
+
+    @property
+    def runners(self) -> list[ResourceRunner]:
+        return [r.runner for r in self._running.values()]
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
+        try:
+            self.config.device_plugin_dir.mkdir(parents=True, exist_ok=True)
+            log.info(
+                "starting", device_plugin_dir=str(self.config.device_plugin_dir),
+                resources=[r.name for r in self.config.resources],
+            )
+            for resource in self.config.resources:
+                self._start(resource)
+            watcher = asyncio.create_task(self._watch_plugin_dir())
+            await self._stop.wait()
+            log.info("stopping")
+            watcher.cancel()
+            await self._stop_all(list(self._running))
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+        log.info("stopped")
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _start(self, resource: ResourceConfig) -> None:
+        runner = ResourceRunner(resource, self.config.device_plugin_dir, self._build)
+        task = asyncio.create_task(runner.run(), name=f"resource {resource.name}")
+        self._running[resource.name] = _Running(runner, task)
+
+    async def _stop_all(self, names: list[str]) -> None:
+        stopping = [self._running.pop(name) for name in names if name in self._running]
+        for running in stopping:
+            running.task.cancel()
+        for running in stopping:
+            with contextlib.suppress(asyncio.CancelledError):
+                await running.task
+
+    async def _watch_plugin_dir(self) -> None:
+        directory = self.config.device_plugin_dir
+        async for _ in directory_changes(lambda: [directory], lambda path: path.parent == directory):
+            for running in self._running.values():
+                running.runner.poke()
+
+    async def reload(self) -> None:
+        """Apply a changed config; resources whose config did not change keep serving without a gap."""
+        async with self._reload_lock:
+            try:
+                new = await asyncio.to_thread(self._reload_config)
+            except ConfigError as exc:
+                log.error("reload failed; keeping the running config", error=str(exc))
+                return
+            old = self.config
+            if new.device_plugin_dir != old.device_plugin_dir:
+                log.info("device-plugin directory changed; restarting every resource")
+                await self._stop_all(list(self._running))
+                self.config = new
+                for resource in new.resources:
+                    self._start(resource)
+                return
+            self.config = new
+            wanted = {r.name: r for r in new.resources}
+            current = {name: r.runner.config for name, r in self._running.items()}
+            removed = [name for name in current if name not in wanted]
+            changed = [name for name in current if name in wanted and wanted[name] != current[name]]
+            added = [name for name in wanted if name not in current]
+            await self._stop_all(removed + changed)
+            for name in changed + added:
+                self._start(wanted[name])
+            kept = len(current) - len(removed) - len(changed)
+            log.info("config reloaded", added=added, changed=changed, removed=removed, unchanged=kept)
+
+

@@ -1,0 +1,179 @@
+"""One resource's life: build its backend, follow its changes, serve its socket, stay registered.
+
+The serve/register half is level-triggered: whenever anything in the device-plugin
+directory changes the runner is poked and compares what is (our socket file, the
+kubelet's socket file) with what it last did, so a kubelet restart, a late kubelet and a
+deleted socket are all handled by the same few lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from kxpu.config import ResourceConfig
+from kxpu.daemon.backoff import Backoff
+from kxpu.daemon.registration import FileIdentity, file_identity, register
+from kxpu.daemon.servicer import DevicePluginServicer, DeviceSnapshot
+from kxpu.daemon.wire import KUBELET_SOCKET
+from kxpu.logs import get_logger
+from kxpu.model import Backend, Closable, Watcher
+
+log = get_logger("kxpu.daemon.resource")
+
+BackendFactory = Callable[[ResourceConfig], Backend]
+
+
+class Phase(enum.StrEnum):
+    STARTING = "starting"
+    WAITING_FOR_KUBELET = "waiting-for-kubelet"
+    REGISTERED = "registered"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+def socket_name(resource: str) -> str:
+    """``example.com/npu`` → ``kxpu-example.com-npu.sock`` (one socket per resource)."""
+    return "kxpu-" + resource.replace("/", "-") + ".sock"
+
+
+class ResourceRunner:
+    def __init__(self, config: ResourceConfig, plugin_dir: Path, build: BackendFactory) -> None:
+        self.config = config
+        self.plugin_dir = plugin_dir
+        self.build = build
+        self.socket_path = plugin_dir / socket_name(config.name)
+        self.kubelet_socket = plugin_dir / KUBELET_SOCKET
+        self.phase = Phase.STARTING
+        self.registrations = 0
+        self.snapshot = DeviceSnapshot()
+        self._poked = asyncio.Event()
+        self.log = log.bind(resource=config.name)
+
+    def poke(self) -> None:
+        """Something in the device-plugin directory changed: re-check socket and registration."""
+        self._poked.set()
+
+    async def run(self) -> None:
+        """Run until cancelled; a failure is logged and retried, never propagated to other resources."""
+        backoff = Backoff(initial=0.5, maximum=30.0)
+        try:
+            while True:
+                try:
+                    await self._run_once()
+                    return
+                except Exception as exc:
+                    self.phase = Phase.FAILED
+                    delay = backoff.next_delay()
+                    self.log.error(
+                        "resource failed; retrying", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay,
+                        exc_info=not isinstance(exc, grpc.RpcError | OSError),
+                    )
+                    await asyncio.sleep(delay)
+        finally:
+            self.phase = Phase.STOPPED
+
+    async def _run_once(self) -> None:
+        backend = await asyncio.to_thread(self.build, self.config)
+        try:
+            self.snapshot = DeviceSnapshot()
+            await self.snapshot.update(await asyncio.to_thread(backend.discover))
+            servicer = DevicePluginServicer(self.config.name, backend, self.snapshot)
+            self.log.info(
+                "backend ready", backend=self.config.backend, devices=len(self.snapshot.devices),
+                preferred_allocation=servicer.options.get_preferred_allocation_available,
+                pre_start=servicer.options.pre_start_required,
+            )
+            async with asyncio.TaskGroup() as tasks:
+                if isinstance(backend, Watcher):
+                    tasks.create_task(self._follow(backend))
+                tasks.create_task(self._serve_and_register(servicer))
+        finally:
+            if isinstance(backend, Closable):
+                await asyncio.to_thread(backend.close)
+
+    async def _follow(self, backend: Watcher) -> None:
+        async for devices in backend.watch():
+            if await self.snapshot.update(devices):
+                healthy = sum(d.healthy for d in devices)
+                self.log.info("devices changed", devices=len(devices), healthy=healthy)
+        self.log.debug("backend stopped watching; the device list is static from now on")
+
+    async def _serve_and_register(self, servicer: DevicePluginServicer) -> None:
+        server: grpc.aio.Server | None = None
+        served: FileIdentity | None = None
+        registered_with: FileIdentity | None = None
+        backoff = Backoff(initial=0.1, maximum=10.0)
+        waiting_logged = False
+        try:
+            while True:
+                self._poked.clear()
+                if server is None or file_identity(self.socket_path) != served:
+                    if server is not None:
+                        self.log.warning("our socket was removed (kubelet restart?); serving again")
+                        await server.stop(0)
+                    server, served = await self._serve(servicer)
+                    registered_with = None
+                kubelet = file_identity(self.kubelet_socket)
+                if kubelet is None:
+                    self.phase = Phase.WAITING_FOR_KUBELET
+                    if not waiting_logged:
+                        self.log.info("waiting for the kubelet", socket=str(self.kubelet_socket))
+                        waiting_logged = True
+                    await self._poked.wait()
+                    continue
+                if kubelet != registered_with:
+                    try:
+                        await register(self.kubelet_socket, self.socket_path.name, self.config.name, servicer.options)
+                    except grpc.RpcError as exc:
+                        self.phase = Phase.WAITING_FOR_KUBELET
+                        delay = backoff.next_delay()
+                        self.log.warning(
+                            "registration failed; retrying", reason=_rpc_reason(exc), retry_in_s=round(delay, 2)
+                        )
+                        await self._wait_poke(delay)
+                        continue
+                    registered_with = kubelet
+                    waiting_logged = False
+                    backoff.reset()
+                    self.registrations += 1
+                    self.phase = Phase.REGISTERED
+                    self.log.info("registered with the kubelet", endpoint=self.socket_path.name)
+                await self._poked.wait()
+        finally:
+            if server is not None:
+                await server.stop(0.5)
+            if served is not None and file_identity(self.socket_path) == served:
+                with contextlib.suppress(FileNotFoundError):
+                    self.socket_path.unlink()
+
+    async def _serve(self, servicer: DevicePluginServicer) -> tuple[grpc.aio.Server, FileIdentity]:
+        """Serve before registering: the kubelet dials back before it answers Register."""
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()  # a stale socket from a crashed run
+        server = grpc.aio.server()
+        pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await server.start()
+        identity = file_identity(self.socket_path)
+        if identity is None:
+            await server.stop(0)
+            raise OSError(f"gRPC server started but {self.socket_path} does not exist")
+        self.log.info("serving", socket=str(self.socket_path))
+        return server, identity
+
+    async def _wait_poke(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._poked.wait(), timeout)
+
+
+def _rpc_reason(exc: grpc.RpcError) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)

@@ -1,0 +1,207 @@
+"""The DevicePlugin gRPC service for one resource: the kubelet-facing half of a resource.
+
+It owns no lifecycle (see ``resource.py``); it answers from the latest device snapshot,
+refuses anything it cannot vouch for, and wakes every ListAndWatch stream on a change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
+from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from kxpu.daemon.wire import WireKey, edits_to_pb, list_and_watch_response, wire_key
+from kxpu.logs import get_logger
+from kxpu.model import (
+    Backend,
+    BackendError,
+    Device,
+    PreferredAllocator,
+    PreStarter,
+    capabilities_of,
+    index_by_id,
+    numa_packed,
+)
+
+log = get_logger("kxpu.daemon.servicer")
+
+
+class DeviceSnapshot:
+    """The latest device list and a version that moves only when the kubelet would see a difference."""
+
+    def __init__(self) -> None:
+        self.devices: dict[str, Device] = {}
+        self.version = 0
+        self._key: WireKey = ()
+        self._changed = asyncio.Condition()
+
+    async def update(self, devices: Sequence[Device]) -> bool:
+        by_id = index_by_id(list(devices))
+        key = wire_key(by_id.values())
+        async with self._changed:
+            self.devices = by_id  # attributes may change without the kubelet caring; keep them fresh
+            if key == self._key:
+                return False
+            self._key = key
+            self.version += 1
+            self._changed.notify_all()
+            return True
+
+    async def wait_newer_than(self, version: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.version > version)
+
+
+class Refused(Exception):
+    """A request the daemon will not grant; carries the gRPC status the kubelet gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DevicePluginServicer(pb_grpc.DevicePluginServicer):
+    def __init__(self, resource: str, backend: Backend, snapshot: DeviceSnapshot) -> None:
+        self.resource = resource
+        self.backend = backend
+        self.snapshot = snapshot
+        caps = capabilities_of(backend)
+        self.options = pb.DevicePluginOptions(
+            pre_start_required=caps.pre_start,
+            get_preferred_allocation_available=caps.preferred_allocation,
+        )
+        self.log = log.bind(resource=resource)
+
+    async def GetDevicePluginOptions(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
+    ) -> pb.DevicePluginOptions:
+        return self.options
+
+    async def ListAndWatch(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.ListAndWatchResponse]
+    ) -> AsyncIterator[pb.ListAndWatchResponse]:
+        self.log.info("kubelet opened ListAndWatch")
+        sent = -1
+        try:
+            while True:
+                version = self.snapshot.version
+                if version != sent:
+                    devices = list(self.snapshot.devices.values())
+                    sent = version
+                    healthy = sum(d.healthy for d in devices)
+                    self.log.info("sending device list", devices=len(devices), healthy=healthy)
+                    yield list_and_watch_response(devices)
+                await self.snapshot.wait_newer_than(sent)
+        finally:
+            self.log.info("ListAndWatch closed")
+
+    def _lookup(self, ids: Sequence[str], where: str) -> list[Device]:
+        """The devices behind ``ids``, or Refused: never grant what the snapshot cannot vouch for."""
+        if not ids:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: no device IDs requested")
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{where}: device IDs requested twice: {', '.join(duplicates)}"
+            )
+        devices = self.snapshot.devices
+        unknown = [i for i in ids if i not in devices]
+        if unknown:
+            raise Refused(
+                grpc.StatusCode.NOT_FOUND, f"{where}: unknown {self.resource} device IDs: {', '.join(unknown)}"
+            )
+        unhealthy = [i for i in ids if not devices[i].healthy]
+        if unhealthy:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}: {self.resource} devices are unhealthy: {', '.join(unhealthy)}",
+            )
+        return [devices[i] for i in ids]
+
+    async def Allocate(
+        self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext[pb.AllocateRequest, pb.AllocateResponse]
+    ) -> pb.AllocateResponse:
+        response = pb.AllocateResponse()
+        total = len(request.container_requests)
+        if total == 0:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "Allocate with no container requests")
+        for n, container in enumerate(request.container_requests, start=1):
+            ids = list(container.devices_ids)
+            # The kubelet does not say which pod this is; name what we can.
+            where = f"container request {n}/{total}"
+            try:
+                devices = self._lookup(ids, where)
+                edits = self.backend.allocate(devices)
+            except Refused as exc:
+                await self._refuse(context, exc.code, str(exc), ids=ids)
+            except BackendError as exc:
+                await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}", ids=ids)
+            except Exception as exc:
+                self.log.exception("backend failed to allocate", ids=ids)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{where}: backend error: {exc}")
+            response.container_responses.append(edits_to_pb(edits))
+            self.log.info("allocated", request=where, ids=ids)
+        return response
+
+    async def GetPreferredAllocation(
+        self,
+        request: pb.PreferredAllocationRequest,
+        context: grpc.aio.ServicerContext[pb.PreferredAllocationRequest, pb.PreferredAllocationResponse],
+    ) -> pb.PreferredAllocationResponse:
+        response = pb.PreferredAllocationResponse()
+        devices = self.snapshot.devices
+        for container in request.container_requests:
+            available = [devices[i] for i in container.available_deviceIDs if i in devices]
+            must = [devices[i] for i in container.must_include_deviceIDs if i in devices]
+            size = container.allocation_size
+            if size <= 0:
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} must be > 0")
+            chosen = self._preferred(available, must, size)
+            response.container_responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return response
+
+    def _preferred(self, available: list[Device], must: list[Device], size: int) -> list[str]:
+        if isinstance(self.backend, PreferredAllocator):
+            try:
+                chosen = self.backend.preferred_allocation(available, must, size)
+                if _valid_choice(chosen, available, must, size):
+                    return chosen
+                self.log.warning("backend preferred allocation ignored: breaks the request", chosen=chosen)
+            except Exception:
+                self.log.exception("backend preferred allocation failed; using the NUMA-packed default")
+        return numa_packed(available, must, size)
+
+    async def PreStartContainer(
+        self,
+        request: pb.PreStartContainerRequest,
+        context: grpc.aio.ServicerContext[pb.PreStartContainerRequest, pb.PreStartContainerResponse],
+    ) -> pb.PreStartContainerResponse:
+        ids = list(request.devices_ids)
+        if isinstance(self.backend, PreStarter):
+            try:
+                devices = [self.snapshot.devices[i] for i in ids if i in self.snapshot.devices]
+                await asyncio.to_thread(self.backend.pre_start, devices)
+            except Exception as exc:
+                self.log.exception("pre-start failed", ids=ids)
+                await context.abort(grpc.StatusCode.INTERNAL, f"pre-start of {', '.join(ids)} failed: {exc}")
+        return pb.PreStartContainerResponse()
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext[object, object], code: grpc.StatusCode, message: str,
+        ids: Sequence[str] = (),
+    ) -> None:
+        self.log.warning("request refused", code=code.name, reason=message, ids=list(ids))
+        await context.abort(code, message)
+
+
+def _valid_choice(chosen: list[str], available: list[Device], must: list[Device], size: int) -> bool:
+    allowed = {d.id for d in available} | {d.id for d in must}
+    return (
+        len(chosen) == len(set(chosen))
+        and set(chosen) <= allowed
+        and {d.id for d in must} <= set(chosen)
+        and len(chosen) == min(size, len(allowed))
+    )

@@ -1,0 +1,38 @@
+"""Structured logs for every kxpu command: JSON for machines, key=value for people."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+LogFormat = Literal["json", "text"]
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure_logging(level: str = "info", fmt: LogFormat = "text") -> None:
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.processors.LogfmtRenderer(key_order=["timestamp", "level", "logger", "event"])
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+    """A logger whose lines carry ``logger=<name>``; safe to create at import, before configuration."""
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger().bind(logger=name)
+    return logger
