@@ -44,9 +44,7 @@ def generate(out: Path) -> None:
 
 def generated_files(tree: Path) -> set[Path]:
     return {
-        p.relative_to(tree)
-        for p in (tree / "kxpu" / "api").rglob("*")
-        if p.name.endswith(GENERATED_SUFFIXES)
+        p.relative_to(tree) for p in (tree / "kxpu" / "api").rglob("*") if p.name.endswith(GENERATED_SUFFIXES)
     }
 
 

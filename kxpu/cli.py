@@ -43,20 +43,35 @@ def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str,
 
 
 config_option = click.option(
-    "--config", "config_path", envvar="KXPU_CONFIG", required=True,
-    type=click.Path(dir_okay=False, path_type=Path), help="Config file (YAML). Env: KXPU_CONFIG.",
+    "--config",
+    "config_path",
+    envvar="KXPU_CONFIG",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Config file (YAML). Env: KXPU_CONFIG.",
 )
 import_option = click.option(
-    "--import", "imports", multiple=True, metavar="MODULE",
+    "--import",
+    "imports",
+    multiple=True,
+    metavar="MODULE",
     help="Import a module that registers extra backends (repeatable).",
 )
 log_level_option = click.option(
-    "--log-level", envvar="KXPU_LOG_LEVEL", default="info", show_default=True,
-    type=click.Choice(LOG_LEVELS, case_sensitive=False), help="Env: KXPU_LOG_LEVEL.",
+    "--log-level",
+    envvar="KXPU_LOG_LEVEL",
+    default="info",
+    show_default=True,
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    help="Env: KXPU_LOG_LEVEL.",
 )
 log_format_option = click.option(
-    "--log-format", envvar="KXPU_LOG_FORMAT", default="text", show_default=True,
-    type=click.Choice(["text", "json"]), help="key=value text or JSON lines. Env: KXPU_LOG_FORMAT.",
+    "--log-format",
+    envvar="KXPU_LOG_FORMAT",
+    default="text",
+    show_default=True,
+    type=click.Choice(["text", "json"]),
+    help="key=value text or JSON lines. Env: KXPU_LOG_FORMAT.",
 )
 
 
@@ -69,14 +84,20 @@ def main() -> None:
 @main.command()
 @config_option
 @click.option(
-    "--device-plugin-dir", envvar="KXPU_DEVICE_PLUGIN_DIR", type=click.Path(file_okay=False, path_type=Path),
+    "--device-plugin-dir",
+    envvar="KXPU_DEVICE_PLUGIN_DIR",
+    type=click.Path(file_okay=False, path_type=Path),
     help="Overrides devicePluginDir from the file. Env: KXPU_DEVICE_PLUGIN_DIR.",
 )
 @import_option
 @log_level_option
 @log_format_option
 def plugin(
-    config_path: Path, device_plugin_dir: Path | None, imports: tuple[str, ...], log_level: str, log_format: str
+    config_path: Path,
+    device_plugin_dir: Path | None,
+    imports: tuple[str, ...],
+    log_level: str,
+    log_format: str,
 ) -> None:
     """Serve the configured resources to the kubelet (the node daemon)."""
     from kxpu.daemon import Daemon
@@ -141,7 +162,11 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
                 facts = [d.health.value]
                 if d.numa_nodes:
                     facts.append("numa=" + ",".join(map(str, d.numa_nodes)))
-                facts += [f"{k}={v}" for k, v in device_to_json(d).items() if k not in ("id", "health", "numa_nodes")]
+                facts += [
+                    f"{k}={v}"
+                    for k, v in device_to_json(d).items()
+                    if k not in ("id", "health", "numa_nodes")
+                ]
                 click.echo(f"  {d.id:<24} " + " ".join(facts))
     sys.exit(1 if errors else 0)
 

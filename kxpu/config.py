@@ -88,7 +88,7 @@ class ResourceConfig(_Model):
         try:
             parsed = spec.config_model.model_validate(section)
         except ValidationError as exc:
-            raise ValueError(_format_errors(exc, prefix=key)) from None
+            raise _SectionErrors(_error_lines(exc, prefix=key)) from None
         return {**rest, "backend": key, "backend_config": parsed}
 
 
@@ -121,14 +121,29 @@ def _format_location(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _format_errors(exc: ValidationError, prefix: str = "") -> str:
-    lines = []
+class _SectionErrors(ValueError):
+    """A backend section's errors, kept structured so their locations join the outer ones."""
+
+    def __init__(self, lines: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(f"{where}: {msg}" for where, msg in lines))
+        self.lines = lines
+
+
+def _error_lines(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+    lines: list[tuple[str, str]] = []
     for err in exc.errors(include_url=False):
         loc = _format_location(tuple(p for p in err["loc"] if p not in ("function-before", "function-after")))
         where = ".".join(p for p in (prefix, loc) if p)
-        message = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {message}" if where else message)
-    return "; ".join(lines)
+        nested = err.get("ctx", {}).get("error")
+        if isinstance(nested, _SectionErrors):
+            lines += [(f"{where}.{sub}" if where else sub, msg) for sub, msg in nested.lines]
+        else:
+            lines.append((where, err["msg"].removeprefix("Value error, ")))
+    return lines
+
+
+def _format_errors(exc: ValidationError) -> str:
+    return "; ".join(f"{where}: {msg}" if where else msg for where, msg in _error_lines(exc))
 
 
 def parse_config(data: Any, source: str = "<config>") -> Config:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from kxpu.fswatch import directory_changes
 from kxpu.backends.mounts import MountConfig
 from kxpu.backends.registry import BackendConfig, register_backend
 from kxpu.backends.templates import check_env_templates, check_template, render_env
+from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 from kxpu.model import (
     MAX_DEVICE_ID_LENGTH,

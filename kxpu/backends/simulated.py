@@ -15,10 +15,10 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from kxpu.fswatch import directory_changes
 from kxpu.backends.mounts import MountConfig
 from kxpu.backends.registry import BackendConfig, register_backend
 from kxpu.backends.templates import check_env_templates, render_env
+from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 from kxpu.model import Backend, ContainerEdits, Device, Health, check_device_id, numa_packed
 

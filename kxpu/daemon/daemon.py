@@ -45,7 +45,8 @@ class Daemon:
         try:
             self.config.device_plugin_dir.mkdir(parents=True, exist_ok=True)
             log.info(
-                "starting", device_plugin_dir=str(self.config.device_plugin_dir),
+                "starting",
+                device_plugin_dir=str(self.config.device_plugin_dir),
                 resources=[r.name for r in self.config.resources],
             )
             for resource in self.config.resources:
@@ -112,5 +113,3 @@ class Daemon:
                 self._start(wanted[name])
             kept = len(current) - len(removed) - len(changed)
             log.info("config reloaded", added=added, changed=changed, removed=removed, unchanged=kept)
-
-

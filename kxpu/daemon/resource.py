@@ -72,7 +72,9 @@ class ResourceRunner:
                     self.phase = Phase.FAILED
                     delay = backoff.next_delay()
                     self.log.error(
-                        "resource failed; retrying", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay,
+                        "resource failed; retrying",
+                        error=f"{type(exc).__name__}: {exc}",
+                        retry_in_s=delay,
                         exc_info=not isinstance(exc, grpc.RpcError | OSError),
                     )
                     await asyncio.sleep(delay)
@@ -86,7 +88,9 @@ class ResourceRunner:
             await self.snapshot.update(await asyncio.to_thread(backend.discover))
             servicer = DevicePluginServicer(self.config.name, backend, self.snapshot)
             self.log.info(
-                "backend ready", backend=self.config.backend, devices=len(self.snapshot.devices),
+                "backend ready",
+                backend=self.config.backend,
+                devices=len(self.snapshot.devices),
                 preferred_allocation=servicer.options.get_preferred_allocation_available,
                 pre_start=servicer.options.pre_start_required,
             )
@@ -130,12 +134,16 @@ class ResourceRunner:
                     continue
                 if kubelet != registered_with:
                     try:
-                        await register(self.kubelet_socket, self.socket_path.name, self.config.name, servicer.options)
+                        await register(
+                            self.kubelet_socket, self.socket_path.name, self.config.name, servicer.options
+                        )
                     except grpc.RpcError as exc:
                         self.phase = Phase.WAITING_FOR_KUBELET
                         delay = backoff.next_delay()
                         self.log.warning(
-                            "registration failed; retrying", reason=_rpc_reason(exc), retry_in_s=round(delay, 2)
+                            "registration failed; retrying",
+                            reason=_rpc_reason(exc),
+                            retry_in_s=round(delay, 2),
                         )
                         await self._wait_poke(delay)
                         continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -105,13 +106,15 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
             raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{where}: device IDs requested twice: {', '.join(duplicates)}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: device IDs requested twice: {', '.join(duplicates)}",
             )
         devices = self.snapshot.devices
         unknown = [i for i in ids if i not in devices]
         if unknown:
             raise Refused(
-                grpc.StatusCode.NOT_FOUND, f"{where}: unknown {self.resource} device IDs: {', '.join(unknown)}"
+                grpc.StatusCode.NOT_FOUND,
+                f"{where}: unknown {self.resource} device IDs: {', '.join(unknown)}",
             )
         unhealthy = [i for i in ids if not devices[i].healthy]
         if unhealthy:
@@ -122,12 +125,16 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         return [devices[i] for i in ids]
 
     async def Allocate(
-        self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext[pb.AllocateRequest, pb.AllocateResponse]
+        self,
+        request: pb.AllocateRequest,
+        context: grpc.aio.ServicerContext[pb.AllocateRequest, pb.AllocateResponse],
     ) -> pb.AllocateResponse:
         response = pb.AllocateResponse()
         total = len(request.container_requests)
         if total == 0:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "Allocate with no container requests")
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "Allocate with no container requests"
+            )
         for n, container in enumerate(request.container_requests, start=1):
             ids = list(container.devices_ids)
             # The kubelet does not say which pod this is; name what we can.
@@ -158,7 +165,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             must = [devices[i] for i in container.must_include_deviceIDs if i in devices]
             size = container.allocation_size
             if size <= 0:
-                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} must be > 0")
+                await self._refuse(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} must be > 0"
+                )
             chosen = self._preferred(available, must, size)
             response.container_responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return response
@@ -190,7 +199,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         return pb.PreStartContainerResponse()
 
     async def _refuse(
-        self, context: grpc.aio.ServicerContext[object, object], code: grpc.StatusCode, message: str,
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        code: grpc.StatusCode,
+        message: str,
         ids: Sequence[str] = (),
     ) -> None:
         self.log.warning("request refused", code=code.name, reason=message, ids=list(ids))

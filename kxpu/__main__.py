@@ -1,0 +1,3 @@
+from kxpu.cli import main
+
+main()

@@ -1,0 +1,5 @@
+"""Kits for testing backends and the daemon without a cluster."""
+
+from kxpu.testing.kubelet import KubeletStandIn, PluginView
+
+__all__ = ["KubeletStandIn", "PluginView"]

@@ -1,0 +1,266 @@
+"""A kubelet stand-in that behaves as the kubelet's device manager does, over real unix sockets.
+
+It serves ``Registration`` on ``kubelet.sock``; ``Register`` validates the request, dials
+the plugin back and calls ``GetDevicePluginOptions`` *before* answering (the synchronous
+dance that breaks naive plugins), then consumes ``ListAndWatch`` in the background where
+each message replaces the resource's device set. ``restart()`` does what a kubelet start
+does to the directory: delete every unix socket, then listen on a fresh ``kubelet.sock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
+from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from kxpu.config import check_extended_resource_name
+
+HEALTHY = "Healthy"
+DIAL_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass
+class DeviceListEvent:
+    at: float  # time.monotonic()
+    devices: dict[str, str]  # ID → health as the kubelet would count it
+
+
+@dataclass
+class PluginView:
+    """What the kubelet knows of one registered resource."""
+
+    resource: str
+    endpoint: str
+    options: pb.DevicePluginOptions
+    channel: grpc.aio.Channel
+    stub: pb_grpc.DevicePluginAsyncStub
+    registered_at: float
+    history: list[DeviceListEvent] = field(default_factory=list)
+    stream_task: asyncio.Task[None] | None = None
+
+    @property
+    def devices(self) -> dict[str, str]:
+        return self.history[-1].devices if self.history else {}
+
+    @property
+    def capacity(self) -> int:
+        return len(self.devices)
+
+    @property
+    def allocatable(self) -> int:
+        return sum(1 for health in self.devices.values() if health == HEALTHY)
+
+
+class KubeletStandIn(pb_grpc.RegistrationServicer):
+    def __init__(self, plugin_dir: Path) -> None:
+        self.plugin_dir = plugin_dir
+        self.socket = plugin_dir / "kubelet.sock"
+        self.plugins: dict[str, PluginView] = {}
+        self.registrations: list[tuple[float, str]] = []  # (monotonic time, resource)
+        self.rejections: list[str] = []
+        self.reject_next = 0  # tests: refuse this many registrations, as a kubelet in trouble would
+        self._server: grpc.aio.Server | None = None
+        self._changed = asyncio.Condition()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+        server = grpc.aio.server()
+        pb_grpc.add_RegistrationServicer_to_server(self, server)
+        server.add_insecure_port(f"unix://{self.socket}")
+        await server.start()
+        self._server = server
+
+    async def stop(self) -> None:
+        """Stop serving and drop every plugin connection (kubelet down)."""
+        if self._server is not None:
+            await self._server.stop(0)
+            self._server = None
+        for view in list(self.plugins.values()):
+            await self._drop(view)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+
+    async def restart(self) -> None:
+        """What a kubelet (re)start does: remove every unix socket in the directory, then serve anew."""
+        await self.stop()
+        for entry in self.plugin_dir.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(entry.lstat().st_mode):
+                    entry.unlink()
+        await self.start()
+
+    async def _drop(self, view: PluginView) -> None:
+        if view.stream_task is not None:
+            view.stream_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await view.stream_task
+        await view.channel.close(None)
+
+    # -- the Registration service ----------------------------------------------------------------
+
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext[pb.RegisterRequest, pb.Empty]
+    ) -> pb.Empty:
+        reason = self._validate(request)
+        if reason is None and self.reject_next > 0:
+            self.reject_next -= 1
+            reason = "registration refused by the test"
+        if reason is None:
+            try:
+                view = await self._dial(request)
+            except (grpc.RpcError, TimeoutError) as exc:
+                reason = f"failed to dial device plugin {request.endpoint}: {exc}"
+        if reason is not None:
+            self.rejections.append(reason)
+            await context.abort(grpc.StatusCode.UNKNOWN, reason)
+        old = self.plugins.get(request.resource_name)
+        if old is not None:
+            await self._drop(old)
+        self.plugins[request.resource_name] = view
+        view.stream_task = asyncio.create_task(self._consume(view))
+        self.registrations.append((view.registered_at, request.resource_name))
+        async with self._changed:
+            self._changed.notify_all()
+        return pb.Empty()
+
+    def _validate(self, request: pb.RegisterRequest) -> str | None:
+        if request.version != "v1beta1":
+            return f"requested API version {request.version!r} is not supported by kubelet"
+        try:
+            check_extended_resource_name(request.resource_name)
+        except ValueError as exc:
+            return f"invalid name of device plugin socket: {exc}"
+        if not request.endpoint or "/" in request.endpoint:
+            return f"endpoint {request.endpoint!r} must be a file name in {self.plugin_dir}"
+        return None
+
+    async def _dial(self, request: pb.RegisterRequest) -> PluginView:
+        channel = grpc.aio.insecure_channel(f"unix://{self.plugin_dir / request.endpoint}")
+        try:
+            stub: pb_grpc.DevicePluginAsyncStub = pb_grpc.DevicePluginStub(channel)
+            options = await stub.GetDevicePluginOptions(
+                pb.Empty(), timeout=DIAL_TIMEOUT_SECONDS, wait_for_ready=True
+            )
+        except BaseException:
+            await channel.close(None)
+            raise
+        return PluginView(
+            resource=request.resource_name,
+            endpoint=request.endpoint,
+            options=options,
+            channel=channel,
+            stub=stub,
+            registered_at=time.monotonic(),
+        )
+
+    async def _consume(self, view: PluginView) -> None:
+        try:
+            async for message in view.stub.ListAndWatch(pb.Empty()):
+                devices = {d.ID: d.health for d in message.devices}
+                await self._record(view, devices)
+        except grpc.RpcError:
+            pass
+        # The stream ended: like the kubelet, count every device of the resource unhealthy.
+        await self._record(view, dict.fromkeys(view.devices, "Unhealthy"))
+
+    async def _record(self, view: PluginView, devices: dict[str, str]) -> None:
+        async with self._changed:
+            view.history.append(DeviceListEvent(time.monotonic(), devices))
+            self._changed.notify_all()
+
+    # -- what tests do with it ---------------------------------------------------------------------
+
+    async def wait_for(
+        self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
+    ) -> None:
+        async def waiter() -> None:
+            async with self._changed:
+                await self._changed.wait_for(predicate)
+
+        try:
+            await asyncio.wait_for(waiter(), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}") from None
+
+    async def wait_registered(self, resource: str, times: int = 1, timeout: float = 10.0) -> PluginView:
+        def done() -> bool:
+            return sum(1 for _, r in self.registrations if r == resource) >= times and bool(
+                self.plugins.get(resource) and self.plugins[resource].history
+            )
+
+        await self.wait_for(done, timeout, f"{resource} registered {times} time(s) with a device list")
+        return self.plugins[resource]
+
+    async def wait_devices(
+        self, resource: str, predicate: Callable[[dict[str, str]], bool], timeout: float = 10.0
+    ) -> dict[str, str]:
+        await self.wait_for(
+            lambda: resource in self.plugins and predicate(self.plugins[resource].devices),
+            timeout,
+            f"a matching device list for {resource}",
+        )
+        return self.plugins[resource].devices
+
+    def view(self, resource: str) -> PluginView:
+        try:
+            return self.plugins[resource]
+        except KeyError:
+            raise LookupError(f"{resource} is not registered") from None
+
+    async def allocate(self, resource: str, *containers: Sequence[str]) -> pb.AllocateResponse:
+        request = pb.AllocateRequest(
+            container_requests=[pb.ContainerAllocateRequest(devices_ids=list(ids)) for ids in containers]
+        )
+        response: pb.AllocateResponse = await self.view(resource).stub.Allocate(request, timeout=10)
+        if not response.container_responses:
+            raise ValueError(
+                "Allocate answered with no container responses (the kubelet treats it as an error)"
+            )
+        return response
+
+    async def preferred(
+        self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]:
+        request = pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=list(available),
+                    must_include_deviceIDs=list(must_include),
+                    allocation_size=size,
+                )
+            ]
+        )
+        response = await self.view(resource).stub.GetPreferredAllocation(request, timeout=10)
+        chosen = list(response.container_responses[0].deviceIDs)
+        # The kubelet keeps only what it offered.
+        return [i for i in chosen if i in set(available) | set(must_include)]
+
+    async def pre_start(self, resource: str, ids: Sequence[str]) -> None:
+        await self.view(resource).stub.PreStartContainer(
+            pb.PreStartContainerRequest(devices_ids=list(ids)), timeout=30
+        )
+
+
+def sockets_in(directory: Path) -> list[str]:
+    return sorted(e.name for e in directory.iterdir() if stat.S_ISSOCK(e.lstat().st_mode))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,71 @@
+"""Run ``kxpu plugin`` as a real separate process, as the kubelet would see it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class DaemonProcess:
+    def __init__(
+        self,
+        config: Path,
+        log_path: Path,
+        device_plugin_dir: Path | None = None,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.log_path = log_path
+        self.device_plugin_dir = device_plugin_dir
+        self.extra_args = list(extra_args)
+        self.env = env
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "not started"
+        return self.process.pid
+
+    async def start(self) -> None:
+        args = [sys.executable, "-m", "kxpu", "plugin", "--config", str(self.config), "--log-level", "debug"]
+        if self.device_plugin_dir is not None:
+            args += ["--device-plugin-dir", str(self.device_plugin_dir)]
+        args += self.extra_args
+        env = {**os.environ, **(self.env or {})}
+        with open(self.log_path, "ab") as log:  # noqa: ASYNC230  (a local file, opened once)
+            self.process = await asyncio.create_subprocess_exec(
+                *args, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env
+            )
+
+    def send(self, sig: signal.Signals) -> None:
+        assert self.process is not None, "not started"
+        self.process.send_signal(sig)
+
+    async def wait(self, timeout: float = 10.0) -> int:
+        assert self.process is not None, "not started"
+        return await asyncio.wait_for(self.process.wait(), timeout)
+
+    async def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM and wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.process is None or self.process.returncode is not None:
+            return self.process.returncode if self.process else None
+        self.send(signal.SIGTERM)
+        try:
+            return await self.wait(timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            await self.process.wait()
+            raise
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except OSError:
+            return ""

@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kxpu.backends.generic import GenericConfig
+from kxpu.backends.simulated import SimulatedConfig
+from kxpu.config import (
+    DEFAULT_DEVICE_PLUGIN_DIR,
+    ConfigError,
+    check_extended_resource_name,
+    load_config,
+    parse_config,
+)
+
+ISSUE_EXAMPLE = """
+version: v1
+devicePluginDir: /var/lib/kubelet/device-plugins
+resources:
+  - name: example.com/npu
+    simulated:
+      count: 4
+      model: sim-npu
+      memoryMiB: 16384
+      numaNodes: [0, 0, 1, 1]
+      stateFile: /run/kxpu/sim-npu.json
+  - name: example.com/fpga
+    generic:
+      groups:
+        - paths: ["/dev/fpga*"]
+          containerPath: "/dev/fpga_accel/{name}"
+          permissions: rw
+          env: {FPGA_VISIBLE_DEVICES: "{ids}"}
+"""
+
+
+def test_the_documented_example_loads(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(ISSUE_EXAMPLE)
+    config = load_config(path)
+    npu, fpga = config.resources
+    assert npu.backend == "simulated" and isinstance(npu.backend_config, SimulatedConfig)
+    assert npu.backend_config.memory_mib == 16384 and npu.backend_config.numa_nodes == [0, 0, 1, 1]
+    assert fpga.backend == "generic" and isinstance(fpga.backend_config, GenericConfig)
+    assert fpga.backend_config.groups[0].container_path == "/dev/fpga_accel/{name}"
+    assert load_config(path, Path("/x")).device_plugin_dir == Path("/x")
+
+
+@pytest.mark.parametrize(
+    "name", ["example.com/npu", "nvidia.com/gpu", "a.b/c_d.e-f", "example.com/MiG-1g.5gb"]
+)
+def test_valid_extended_resource_names(name: str) -> None:
+    assert check_extended_resource_name(name) == name
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("npu", "needs a domain"),
+        ("kubernetes.io/npu", "reserved"),
+        ("foo.kubernetes.io/npu", "reserved"),
+        ("requests.example.com/npu", "requests."),
+        ("Example.com/npu", "DNS subdomain"),
+        ("example.com/-npu", "name part"),
+        ("example.com/" + "n" * 64, "name part"),
+        ("example.com/a/b", "more than one"),
+    ],
+)
+def test_invalid_extended_resource_names(name: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        check_extended_resource_name(name)
+
+
+def config_with(resource: dict[str, object]) -> dict[str, object]:
+    return {"version": "v1", "resources": [resource]}
+
+
+@pytest.mark.parametrize(
+    ("resource", "message"),
+    [
+        ({"name": "example.com/x"}, "exactly one backend key (found: none)"),
+        (
+            {"name": "example.com/x", "simulated": {"count": 1}, "generic": {"groups": []}},
+            "exactly one backend key",
+        ),
+        ({"name": "example.com/x", "simulatd": {"count": 1}}, "unknown key(s) 'simulatd'"),
+        (
+            {"name": "example.com/x", "simulated": {"count": 0}},
+            "simulated.count: Input should be greater than or equal to 1",
+        ),
+        (
+            {"name": "example.com/x", "simulated": {"count": 2, "numaNodes": [0]}},
+            "numaNodes has 1 entries for 2 devices",
+        ),
+        ({"name": "example.com/x", "simulated": {"count": 1, "env": {"A": "{nope}"}}}, "uses {nope}"),
+        (
+            {"name": "example.com/x", "simulated": {"count": 1, "colour": "red"}},
+            "simulated.colour: Extra inputs",
+        ),
+        ({"name": "example.com/x", "generic": {"groups": [{"paths": ["dev/x"]}]}}, "must be absolute"),
+        (
+            {"name": "example.com/x", "generic": {"groups": [{"paths": ["/dev/x"], "permissions": "rx"}]}},
+            "permissions",
+        ),
+        ({"name": "x", "simulated": {"count": 1}}, "resources[0].name"),
+    ],
+)
+def test_bad_configs_name_the_field(resource: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(config_with(resource), "c.yaml")
+    assert message in str(err.value)
+    assert str(err.value).startswith("c.yaml: ")
+
+
+def test_top_level_errors() -> None:
+    with pytest.raises(ConfigError, match="version"):
+        parse_config({"version": "v2", "resources": [{"name": "a.b/c", "simulated": {"count": 1}}]})
+    with pytest.raises(ConfigError, match=r"repeated: a\.b/c"):
+        r = {"name": "a.b/c", "simulated": {"count": 1}}
+        parse_config({"version": "v1", "resources": [r, r]})
+    with pytest.raises(ConfigError, match="resources"):
+        parse_config({"version": "v1", "resources": []})
+    assert (
+        parse_config(config_with({"name": "a.b/c", "simulated": {"count": 1}})).device_plugin_dir
+        == DEFAULT_DEVICE_PLUGIN_DIR
+    )
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: v1\nresources: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- just a list\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(bad)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kxpu", *args], capture_output=True, text=True, timeout=30, env=env
+    )
+
+
+def test_cli_exits_2_with_the_field_named(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("version: v1\nresources:\n  - name: example.com/npu\n    simulated: {count: -1}\n")
+    for command in ("plugin", "devices"):
+        result = run_cli(command, "--config", str(path))
+        assert result.returncode == 2, result.stderr
+        assert "resources[0].simulated.count" in result.stderr
+    result = run_cli("plugin", "--config", str(path), "--log-level", "loud")
+    assert result.returncode == 2 and "--log-level" in result.stderr
+    result = run_cli("plugin", "--config", str(path), "--import", "no.such.module")
+    assert result.returncode == 2 and "no.such.module" in result.stderr
