@@ -89,27 +89,41 @@ def main() -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Overrides devicePluginDir from the file. Env: KXPU_DEVICE_PLUGIN_DIR.",
 )
+@click.option(
+    "--http-address",
+    envvar="KXPU_HTTP_ADDRESS",
+    default=":9400",
+    show_default=True,
+    help="[HOST]:PORT for /metrics, /healthz, /readyz; empty to disable. Env: KXPU_HTTP_ADDRESS.",
+)
 @import_option
 @log_level_option
 @log_format_option
 def plugin(
     config_path: Path,
     device_plugin_dir: Path | None,
+    http_address: str,
     imports: tuple[str, ...],
     log_level: str,
     log_format: str,
 ) -> None:
     """Serve the configured resources to the kubelet (the node daemon)."""
     from kxpu.daemon import Daemon
+    from kxpu.daemon.http import parse_address
 
     configure_logging(log_level, "json" if log_format == "json" else "text")
     config = _load(config_path, device_plugin_dir, imports)
+    if http_address:
+        try:
+            parse_address(http_address)
+        except ValueError as exc:
+            _fail(str(exc))
 
     def reload() -> Config:
         return load_config(config_path, device_plugin_dir)
 
     async def serve() -> int:
-        return await Daemon(config, reload, _build).run()
+        return await Daemon(config, reload, _build, http_address or None).run()
 
     sys.exit(asyncio.run(serve()))
 

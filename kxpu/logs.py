@@ -16,7 +16,9 @@ def configure_logging(level: str = "info", fmt: LogFormat = "text") -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
-        else structlog.processors.LogfmtRenderer(key_order=["timestamp", "level", "logger", "event"])
+        else structlog.processors.LogfmtRenderer(
+            key_order=["timestamp", "level", "component", "event"], bool_as_flag=False
+        )
     )
     structlog.configure(
         processors=[
@@ -33,6 +35,9 @@ def configure_logging(level: str = "info", fmt: LogFormat = "text") -> None:
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
-    """A logger whose lines carry ``logger=<name>``; safe to create at import, before configuration."""
-    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger().bind(logger=name)
+    """A logger whose lines carry ``logger=<name>``; safe to create at import, before configuration.
+
+    A lazy proxy: binding eagerly at import would freeze structlog's default configuration.
+    """
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(component=name)
     return logger

@@ -1,4 +1,4 @@
-"""A third-party-style backend for tests: fails while a marker file exists (loaded with --import)."""
+"""Third-party-style backends for tests, loaded with --import: one that fails on demand, one with pre-start."""
 
 from __future__ import annotations
 
@@ -25,3 +25,25 @@ class FlakyBackend(Backend):
 
     def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
         return ContainerEdits(env={"FLAKY": ",".join(d.id for d in devices)})
+
+
+class PreStartConfig(BackendConfig):
+    record: Path
+
+
+@register_backend("prestart", PreStartConfig)
+class PreStartBackend(Backend):
+    """Needs a step before each container starts: records the devices it prepared."""
+
+    def __init__(self, config: PreStartConfig) -> None:
+        self.config = config
+
+    def discover(self) -> list[Device]:
+        return [Device(id="ps-0"), Device(id="ps-1")]
+
+    def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
+        return ContainerEdits()
+
+    def pre_start(self, devices: Sequence[Device]) -> None:
+        with self.config.record.open("a") as f:
+            f.write(",".join(d.id for d in devices) + "\n")

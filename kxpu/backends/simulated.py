@@ -86,7 +86,7 @@ class SimulatedBackend(Backend):
             state = self._states.get(device.id, "Healthy")
             if state == "Absent":
                 continue
-            out.append(device.with_health(Health(state)))
+            out.append(device.with_health(Health(state), reason="state-file"))
         return out
 
     def _read_state(self) -> None:

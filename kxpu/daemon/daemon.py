@@ -7,9 +7,14 @@ import contextlib
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kxpu.config import Config, ConfigError, ResourceConfig
-from kxpu.daemon.resource import BackendFactory, ResourceRunner
+from kxpu.daemon import metrics
+from kxpu.daemon.http import HealthServer
+from kxpu.daemon.registration import file_identity
+from kxpu.daemon.resource import BackendFactory, Phase, ResourceRunner
+from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 
@@ -25,8 +30,15 @@ class _Running:
 class Daemon:
     """Serves every configured resource; SIGHUP reloads, SIGTERM/SIGINT stop cleanly."""
 
-    def __init__(self, config: Config, reload_config: Callable[[], Config], build: BackendFactory) -> None:
+    def __init__(
+        self,
+        config: Config,
+        reload_config: Callable[[], Config],
+        build: BackendFactory,
+        http_address: str | None = None,
+    ) -> None:
         self.config = config
+        self.http_address = http_address
         self._reload_config = reload_config
         self._build = build
         self._running: dict[str, _Running] = {}
@@ -42,7 +54,10 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
+        http = HealthServer(self.http_address, loop, self.readiness) if self.http_address else None
         try:
+            if http is not None:
+                http.start()
             self.config.device_plugin_dir.mkdir(parents=True, exist_ok=True)
             log.info(
                 "starting",
@@ -59,6 +74,8 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         finally:
+            if http is not None:
+                http.stop()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
         log.info("stopped")
@@ -80,9 +97,22 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await running.task
 
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready = every resource discovered its devices and is registered with the kubelet."""
+        phases = {name: r.runner.phase.value for name, r in self._running.items()}
+        ready = bool(phases) and all(p == Phase.REGISTERED for p in phases.values())
+        return ready, {"ready": ready, "resources": phases}
+
     async def _watch_plugin_dir(self) -> None:
         directory = self.config.device_plugin_dir
+        last_kubelet = file_identity(directory / KUBELET_SOCKET)
         async for _ in directory_changes(lambda: [directory], lambda path: path.parent == directory):
+            now = file_identity(directory / KUBELET_SOCKET)
+            if now is not None and now != last_kubelet:
+                if last_kubelet is not None:
+                    metrics.KUBELET_RESTARTS.inc()
+                log.info("kubelet socket created", restart=last_kubelet is not None)
+                last_kubelet = now
             for running in self._running.values():
                 running.runner.poke()
 

@@ -18,12 +18,13 @@ import grpc
 
 from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from kxpu.config import ResourceConfig
+from kxpu.daemon import metrics
 from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.registration import FileIdentity, file_identity, register
 from kxpu.daemon.servicer import DevicePluginServicer, DeviceSnapshot
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.logs import get_logger
-from kxpu.model import Backend, Closable, Watcher
+from kxpu.model import Backend, Closable, Device, Watcher
 
 log = get_logger("kxpu.daemon.resource")
 
@@ -70,6 +71,7 @@ class ResourceRunner:
                     return
                 except Exception as exc:
                     self.phase = Phase.FAILED
+                    metrics.RESOURCE_FAILURES.labels(self.config.name).inc()
                     delay = backoff.next_delay()
                     self.log.error(
                         "resource failed; retrying",
@@ -80,12 +82,13 @@ class ResourceRunner:
                     await asyncio.sleep(delay)
         finally:
             self.phase = Phase.STOPPED
+            metrics.forget_resource(self.config.name, self.snapshot.devices)
 
     async def _run_once(self) -> None:
         backend = await asyncio.to_thread(self.build, self.config)
         try:
             self.snapshot = DeviceSnapshot()
-            await self.snapshot.update(await asyncio.to_thread(backend.discover))
+            await self._update(await asyncio.to_thread(backend.discover))
             servicer = DevicePluginServicer(self.config.name, backend, self.snapshot)
             self.log.info(
                 "backend ready",
@@ -104,10 +107,17 @@ class ResourceRunner:
 
     async def _follow(self, backend: Watcher) -> None:
         async for devices in backend.watch():
-            if await self.snapshot.update(devices):
-                healthy = sum(d.healthy for d in devices)
-                self.log.info("devices changed", devices=len(devices), healthy=healthy)
+            if await self._update(devices):
+                unhealthy = {d.id: d.health_reason or "unknown" for d in devices if not d.healthy}
+                self.log.info("devices changed", devices=len(devices), unhealthy=unhealthy)
         self.log.debug("backend stopped watching; the device list is static from now on")
+
+    async def _update(self, devices: list[Device]) -> bool:
+        previous = self.snapshot.devices
+        changed = await self.snapshot.update(devices)
+        if changed:
+            metrics.observe_devices(self.config.name, devices, previous)
+        return changed
 
     async def _serve_and_register(self, servicer: DevicePluginServicer) -> None:
         server: grpc.aio.Server | None = None
@@ -124,6 +134,7 @@ class ResourceRunner:
                         await server.stop(0)
                     server, served = await self._serve(servicer)
                     registered_with = None
+                    metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
                 kubelet = file_identity(self.kubelet_socket)
                 if kubelet is None:
                     self.phase = Phase.WAITING_FOR_KUBELET
@@ -139,6 +150,7 @@ class ResourceRunner:
                         )
                     except grpc.RpcError as exc:
                         self.phase = Phase.WAITING_FOR_KUBELET
+                        metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
                         delay = backoff.next_delay()
                         self.log.warning(
                             "registration failed; retrying",
@@ -152,6 +164,8 @@ class ResourceRunner:
                     backoff.reset()
                     self.registrations += 1
                     self.phase = Phase.REGISTERED
+                    metrics.REGISTRATIONS.labels(self.config.name).inc()
+                    metrics.RESOURCE_REGISTERED.labels(self.config.name).set(1)
                     self.log.info("registered with the kubelet", endpoint=self.socket_path.name)
                 await self._poked.wait()
         finally:

@@ -7,6 +7,7 @@ refuses anything it cannot vouch for, and wakes every ListAndWatch stream on a c
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ import grpc
 
 from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from kxpu.daemon import metrics
 from kxpu.daemon.wire import WireKey, edits_to_pb, list_and_watch_response, wire_key
 from kxpu.logs import get_logger
 from kxpu.model import (
@@ -129,6 +131,15 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         request: pb.AllocateRequest,
         context: grpc.aio.ServicerContext[pb.AllocateRequest, pb.AllocateResponse],
     ) -> pb.AllocateResponse:
+        started = time.perf_counter()
+        try:
+            return await self._allocate(request, context)
+        finally:
+            metrics.ALLOCATE_SECONDS.labels(self.resource).observe(time.perf_counter() - started)
+
+    async def _allocate(
+        self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AllocateResponse:
         response = pb.AllocateResponse()
         total = len(request.container_requests)
         if total == 0:
@@ -148,6 +159,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}", ids=ids)
             except Exception as exc:
                 self.log.exception("backend failed to allocate", ids=ids)
+                metrics.ALLOCATE_ERRORS.labels(self.resource, grpc.StatusCode.INTERNAL.name).inc()
                 await context.abort(grpc.StatusCode.INTERNAL, f"{where}: backend error: {exc}")
             response.container_responses.append(edits_to_pb(edits))
             self.log.info("allocated", request=where, ids=ids)
@@ -165,10 +177,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             must = [devices[i] for i in container.must_include_deviceIDs if i in devices]
             size = container.allocation_size
             if size <= 0:
-                await self._refuse(
-                    context, grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} must be > 0"
-                )
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} must be > 0")
+            started = time.perf_counter()
             chosen = self._preferred(available, must, size)
+            metrics.PREFERRED_SECONDS.labels(self.resource).observe(time.perf_counter() - started)
             response.container_responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return response
 
@@ -206,6 +218,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         ids: Sequence[str] = (),
     ) -> None:
         self.log.warning("request refused", code=code.name, reason=message, ids=list(ids))
+        metrics.ALLOCATE_ERRORS.labels(self.resource, code.name).inc()
         await context.abort(code, message)
 
 

@@ -51,6 +51,8 @@ class Device:
     cores: int | None = None
     pci_bus_id: str | None = None
     extra: Mapping[str, str | int | bool] = field(default_factory=dict)
+    # Why the device is unhealthy (e.g. "xid-79", "state-file"): counted in metrics, shown in logs.
+    health_reason: str | None = None
 
     def __post_init__(self) -> None:
         check_device_id(self.id)
@@ -62,8 +64,8 @@ class Device:
     def healthy(self) -> bool:
         return self.health is Health.HEALTHY
 
-    def with_health(self, health: Health) -> Device:
-        return replace(self, health=health)
+    def with_health(self, health: Health, reason: str | None = None) -> Device:
+        return replace(self, health=health, health_reason=None if health is Health.HEALTHY else reason)
 
     def __hash__(self) -> int:  # extra is a dict; identity for sets and dicts is the ID
         return hash(self.id)

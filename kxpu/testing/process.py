@@ -6,9 +6,19 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 class DaemonProcess:
@@ -26,6 +36,7 @@ class DaemonProcess:
         self.extra_args = list(extra_args)
         self.env = env
         self.process: asyncio.subprocess.Process | None = None
+        self.http_port = free_port()  # each daemon its own, so parallel runs never collide on :9400
 
     @property
     def pid(self) -> int:
@@ -36,7 +47,7 @@ class DaemonProcess:
         args = [sys.executable, "-m", "kxpu", "plugin", "--config", str(self.config), "--log-level", "debug"]
         if self.device_plugin_dir is not None:
             args += ["--device-plugin-dir", str(self.device_plugin_dir)]
-        args += self.extra_args
+        args += ["--http-address", f"127.0.0.1:{self.http_port}", *self.extra_args]
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log:  # noqa: ASYNC230  (a local file, opened once)
             self.process = await asyncio.create_subprocess_exec(
@@ -63,6 +74,19 @@ class DaemonProcess:
                 self.process.kill()
             await self.process.wait()
             raise
+
+    async def http_get(self, path: str) -> tuple[int, str]:
+        """GET one of the daemon's HTTP endpoints; returns (status, body)."""
+
+        def get() -> tuple[int, str]:
+            url = f"http://127.0.0.1:{self.http_port}{path}"
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    return response.status, response.read().decode()
+            except urllib.error.HTTPError as err:
+                return err.code, err.read().decode()
+
+        return await asyncio.to_thread(get)
 
     def log_text(self) -> str:
         try:
