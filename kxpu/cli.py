@@ -14,6 +14,7 @@ from kxpu.backends.registry import build_backend, import_backend_module
 from kxpu.config import Config, ConfigError, ResourceConfig, load_config
 from kxpu.logs import LOG_LEVELS, configure_logging, get_logger
 from kxpu.model import Backend, Device
+from kxpu.status import DEFAULT_POD_RESOURCES_SOCKET
 
 log = get_logger("kxpu.cli")
 
@@ -183,6 +184,37 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
                 ]
                 click.echo(f"  {d.id:<24} " + " ".join(facts))
     sys.exit(1 if errors else 0)
+
+
+@main.command()
+@click.option(
+    "--pod-resources-socket",
+    type=click.Path(path_type=Path),
+    default=str(DEFAULT_POD_RESOURCES_SOCKET),
+    show_default=True,
+    help="The kubelet's PodResources API socket.",
+)
+@click.option(
+    "--daemon",
+    "daemon_url",
+    envvar="KXPU_DAEMON_URL",
+    default="http://127.0.0.1:9400",
+    show_default=True,
+    help="The node daemon's --http-address. Env: KXPU_DAEMON_URL.",
+)
+@click.option("--all-resources", is_flag=True, help="Also list devices of resources kxpu does not serve.")
+@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def status(pod_resources_socket: Path, daemon_url: str, all_resources: bool, output: str) -> None:
+    """Show which pod holds which device on this node, and each device's health."""
+    from kxpu.status import format_table, node_status
+
+    result = asyncio.run(node_status(pod_resources_socket, daemon_url, all_resources))
+    if output == "json":
+        click.echo(json.dumps(result.as_json(), indent=2))
+    else:
+        click.echo(format_table(result))
+    # Partial answers are still printed; fail only when neither side could be read.
+    sys.exit(1 if len(result.errors) == 2 else 0)
 
 
 if __name__ == "__main__":

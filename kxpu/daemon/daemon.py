@@ -54,7 +54,9 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
-        http = HealthServer(self.http_address, loop, self.readiness) if self.http_address else None
+        http = (
+            HealthServer(self.http_address, loop, self.readiness, self.status) if self.http_address else None
+        )
         try:
             if http is not None:
                 http.start()
@@ -102,6 +104,30 @@ class Daemon:
         phases = {name: r.runner.phase.value for name, r in self._running.items()}
         ready = bool(phases) and all(p == Phase.REGISTERED for p in phases.values())
         return ready, {"ready": ready, "resources": phases}
+
+    def status(self) -> dict[str, Any]:
+        """What this daemon serves, for `kxpu status` (read from the HTTP thread: plain reads only)."""
+        resources: dict[str, Any] = {}
+        for name, running in list(self._running.items()):
+            runner = running.runner
+            resources[name] = {
+                "backend": runner.config.backend,
+                "phase": runner.phase.value,
+                "registrations": runner.registrations,
+                "socket": str(runner.socket_path),
+                "devices": [
+                    {
+                        "id": d.id,
+                        "health": d.health.value,
+                        **({"reason": d.health_reason} if d.health_reason else {}),
+                        **({"numa_nodes": list(d.numa_nodes)} if d.numa_nodes else {}),
+                        **({"uuid": d.uuid} if d.uuid else {}),
+                        **({"memory_mib": d.memory_mib} if d.memory_mib is not None else {}),
+                    }
+                    for d in list(runner.snapshot.devices.values())
+                ],
+            }
+        return {"devicePluginDir": str(self.config.device_plugin_dir), "resources": resources}
 
     async def _watch_plugin_dir(self) -> None:
         directory = self.config.device_plugin_dir

@@ -1,4 +1,4 @@
-"""/metrics, /healthz and /readyz for probes and Prometheus.
+"""/metrics, /healthz, /readyz and /status (for `kxpu status`): probes, Prometheus and people.
 
 Served by the standard library's WSGI server on one thread beside the event loop, with
 prometheus-client's WSGI app for /metrics: no HTTP framework in the node daemon (memory
@@ -26,6 +26,7 @@ LOOP_CHECK_SECONDS = 2.0
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 Readiness = Callable[[], tuple[bool, dict[str, Any]]]
+Status = Callable[[], dict[str, Any]]
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
@@ -46,10 +47,13 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class HealthServer:
-    def __init__(self, address: str, loop: asyncio.AbstractEventLoop, readiness: Readiness) -> None:
+    def __init__(
+        self, address: str, loop: asyncio.AbstractEventLoop, readiness: Readiness, status: Status
+    ) -> None:
         self.host, self.port = parse_address(address)
         self.loop = loop
         self.readiness = readiness
+        self.status = status
         self._metrics = make_wsgi_app()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -78,6 +82,8 @@ class HealthServer:
         if path == "/readyz":
             ready, detail = self.readiness()
             return _json(start_response, "200 OK" if ready else "503 Service Unavailable", detail)
+        if path == "/status":
+            return _json(start_response, "200 OK", self.status())
         return _json(start_response, "404 Not Found", {"error": f"no such path {path}"})
 
     def _healthz(self, start_response: StartResponse) -> Iterable[bytes]:

@@ -22,6 +22,8 @@ import grpc
 
 from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from kxpu.api.podresources.v1 import api_pb2 as podres
+from kxpu.api.podresources.v1 import api_pb2_grpc as podres_grpc
 from kxpu.config import check_extended_resource_name
 
 HEALTHY = "Healthy"
@@ -60,9 +62,60 @@ class PluginView:
         return sum(1 for health in self.devices.values() if health == HEALTHY)
 
 
+# (namespace, pod, container) → [(resource, device IDs)], as the kubelet's checkpoint remembers it.
+PodAssignments = dict[tuple[str, str, str], list[tuple[str, list[str]]]]
+
+
+class _PodResourcesLister(podres_grpc.PodResourcesListerServicer):
+    """The kubelet's read side: which pod holds which device, and what is allocatable."""
+
+    def __init__(self, kubelet: KubeletStandIn) -> None:
+        self.kubelet = kubelet
+
+    async def List(
+        self, request: podres.ListPodResourcesRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> podres.ListPodResourcesResponse:
+        pods: dict[tuple[str, str], podres.PodResources] = {}
+        for (namespace, pod, container), held in self.kubelet.assignments.items():
+            entry = pods.setdefault((namespace, pod), podres.PodResources(name=pod, namespace=namespace))
+            entry.containers.append(
+                podres.ContainerResources(
+                    name=container,
+                    devices=[podres.ContainerDevices(resource_name=r, device_ids=ids) for r, ids in held],
+                )
+            )
+        return podres.ListPodResourcesResponse(pod_resources=list(pods.values()))
+
+    async def Get(
+        self, request: podres.GetPodResourcesRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> podres.GetPodResourcesResponse:
+        listed = await self.List(podres.ListPodResourcesRequest(), context)
+        for pod in listed.pod_resources:
+            if (pod.namespace, pod.name) == (request.pod_namespace, request.pod_name):
+                return podres.GetPodResourcesResponse(pod_resources=pod)
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, f"pod {request.pod_namespace}/{request.pod_name} not found"
+        )
+        raise AssertionError("unreachable")
+
+    async def GetAllocatableResources(
+        self, request: podres.AllocatableResourcesRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> podres.AllocatableResourcesResponse:
+        return podres.AllocatableResourcesResponse(
+            devices=[
+                podres.ContainerDevices(
+                    resource_name=name, device_ids=[i for i, h in view.devices.items() if h == HEALTHY]
+                )
+                for name, view in self.kubelet.plugins.items()
+            ]
+        )
+
+
 class KubeletStandIn(pb_grpc.RegistrationServicer):
-    def __init__(self, plugin_dir: Path) -> None:
+    def __init__(self, plugin_dir: Path, pod_resources_socket: Path | None = None) -> None:
         self.plugin_dir = plugin_dir
+        self.pod_resources_socket = pod_resources_socket
+        self.assignments: PodAssignments = {}
         self.socket = plugin_dir / "kubelet.sock"
         self.plugins: dict[str, PluginView] = {}
         self.registrations: list[tuple[float, str]] = []  # (monotonic time, resource)
@@ -80,6 +133,12 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
         server = grpc.aio.server()
         pb_grpc.add_RegistrationServicer_to_server(self, server)
         server.add_insecure_port(f"unix://{self.socket}")
+        if self.pod_resources_socket is not None:
+            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                self.pod_resources_socket.unlink()
+            podres_grpc.add_PodResourcesListerServicer_to_server(_PodResourcesLister(self), server)
+            server.add_insecure_port(f"unix://{self.pod_resources_socket}")
         await server.start()
         self._server = server
 
@@ -220,7 +279,11 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
         except KeyError:
             raise LookupError(f"{resource} is not registered") from None
 
-    async def allocate(self, resource: str, *containers: Sequence[str]) -> pb.AllocateResponse:
+    async def allocate(
+        self, resource: str, *containers: Sequence[str], pod: tuple[str, str] | None = None
+    ) -> pb.AllocateResponse:
+        """Allocate for one pod's containers; with ``pod`` = (namespace, name), remember the
+        assignment (containers named c0, c1, …) for the PodResources API, as the kubelet does."""
         request = pb.AllocateRequest(
             container_requests=[pb.ContainerAllocateRequest(devices_ids=list(ids)) for ids in containers]
         )
@@ -229,6 +292,9 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
             raise ValueError(
                 "Allocate answered with no container responses (the kubelet treats it as an error)"
             )
+        if pod is not None:
+            for n, ids in enumerate(containers):
+                self.assignments.setdefault((*pod, f"c{n}"), []).append((resource, list(ids)))
         return response
 
     async def preferred(
