@@ -13,7 +13,7 @@ import click
 from kxpu.backends.registry import build_backend, import_backend_module
 from kxpu.config import Config, ConfigError, ResourceConfig, load_config
 from kxpu.logs import LOG_LEVELS, configure_logging, get_logger
-from kxpu.model import Backend, Device
+from kxpu.model import Backend, Closable, Device, NodeLabeller
 from kxpu.status import DEFAULT_POD_RESOURCES_SOCKET
 
 log = get_logger("kxpu.cli")
@@ -26,8 +26,20 @@ def _fail(message: str) -> None:
     sys.exit(EXIT_BAD_INPUT)
 
 
-def _build(resource: ResourceConfig) -> Backend:
+def _build_plain(resource: ResourceConfig) -> Backend:
     return build_backend(resource.backend, resource.backend_config)
+
+
+def _build(resource: ResourceConfig) -> Backend:
+    """The backend as the daemon serves it: wrapped for CDI output when the resource asks for it."""
+    backend = _build_plain(resource)
+    if resource.cdi.enabled:
+        from kxpu.cdi import with_cdi
+
+        return with_cdi(
+            backend, resource.name, resource.cdi_kind, resource.cdi.spec_dir, resource.cdi.annotations
+        )
+    return backend
 
 
 def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str, ...]) -> Config:
@@ -109,11 +121,15 @@ def plugin(
     log_format: str,
 ) -> None:
     """Serve the configured resources to the kubelet (the node daemon)."""
-    from kxpu.daemon import Daemon
+    from kxpu.daemon import Daemon, check_socket_paths
     from kxpu.daemon.http import parse_address
 
     configure_logging(log_level, "json" if log_format == "json" else "text")
     config = _load(config_path, device_plugin_dir, imports)
+    try:
+        check_socket_paths(config.device_plugin_dir, [r.name for r in config.resources])
+    except ValueError as exc:
+        _fail(str(exc))
     if http_address:
         try:
             parse_address(http_address)
@@ -152,10 +168,18 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
     configure_logging(log_level, "text")
     config = _load(config_path, None, imports)
     found: dict[str, list[Device]] = {}
+    labels: dict[str, dict[str, str]] = {}
     errors: dict[str, str] = {}
     for resource in config.resources:
         try:
-            found[resource.name] = _build(resource).discover()
+            backend = _build_plain(resource)  # no CDI wrapper: listing devices writes no spec files
+            try:
+                found[resource.name] = backend.discover()
+                if isinstance(backend, NodeLabeller):
+                    labels[resource.name] = backend.node_labels()
+            finally:
+                if isinstance(backend, Closable):
+                    backend.close()
         except Exception as exc:
             errors[resource.name] = f"{type(exc).__name__}: {exc}"
     if output == "json":
@@ -166,6 +190,8 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
         }
         for name, error in errors.items():
             doc[name]["error"] = error
+        for name, node_labels in labels.items():
+            doc[name]["labels"] = node_labels
         click.echo(json.dumps(doc, indent=2))
     else:
         for resource in config.resources:
@@ -183,6 +209,8 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
                     if k not in ("id", "health", "numa_nodes")
                 ]
                 click.echo(f"  {d.id:<24} " + " ".join(facts))
+            for key, value in sorted(labels.get(resource.name, {}).items()):
+                click.echo(f"  label {key}={value}")
     sys.exit(1 if errors else 0)
 
 

@@ -158,3 +158,14 @@ def test_cli_exits_2_with_the_field_named(tmp_path: Path) -> None:
     assert result.returncode == 2 and "--log-level" in result.stderr
     result = run_cli("plugin", "--config", str(path), "--import", "no.such.module")
     assert result.returncode == 2 and "no.such.module" in result.stderr
+
+
+def test_cli_refuses_socket_paths_longer_than_unix_allows(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    long_dir = "/tmp/" + "d" * 90
+    path.write_text(
+        f"version: v1\ndevicePluginDir: {long_dir}\nresources: [{{name: example.com/npu, simulated: {{count: 1}}}}]\n"
+    )
+    result = run_cli("plugin", "--config", str(path))
+    assert result.returncode == 2
+    assert "unix sockets allow 107" in result.stderr

@@ -13,7 +13,7 @@ from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
 from kxpu.daemon.http import HealthServer
 from kxpu.daemon.registration import file_identity
-from kxpu.daemon.resource import BackendFactory, Phase, ResourceRunner
+from kxpu.daemon.resource import BackendFactory, Phase, ResourceRunner, check_socket_paths
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
@@ -148,6 +148,11 @@ class Daemon:
             try:
                 new = await asyncio.to_thread(self._reload_config)
             except ConfigError as exc:
+                log.error("reload failed; keeping the running config", error=str(exc))
+                return
+            try:
+                check_socket_paths(new.device_plugin_dir, [r.name for r in new.resources])
+            except ValueError as exc:
                 log.error("reload failed; keeping the running config", error=str(exc))
                 return
             old = self.config

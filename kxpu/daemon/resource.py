@@ -44,6 +44,21 @@ def socket_name(resource: str) -> str:
     return "kxpu-" + resource.replace("/", "-") + ".sock"
 
 
+# sockaddr_un holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+def check_socket_paths(plugin_dir: Path, resources: list[str]) -> None:
+    """Refuse up front what bind() would refuse later with an obscure error."""
+    for resource in resources:
+        path = plugin_dir / socket_name(resource)
+        if len(str(path).encode()) > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"socket path {path} for {resource} is {len(str(path).encode())} bytes; unix sockets allow "
+                f"{MAX_SOCKET_PATH}: use a shorter device-plugin directory or resource name"
+            )
+
+
 class ResourceRunner:
     def __init__(self, config: ResourceConfig, plugin_dir: Path, build: BackendFactory) -> None:
         self.config = config
@@ -179,6 +194,7 @@ class ResourceRunner:
         """Serve before registering: the kubelet dials back before it answers Register."""
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()  # a stale socket from a crashed run
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)  # it may have been removed under us
         server = grpc.aio.server()
         pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
         server.add_insecure_port(f"unix://{self.socket_path}")
