@@ -17,8 +17,10 @@ from pydantic.alias_generators import to_camel
 
 import kxpu.backends  # noqa: F401  (registers the built-in backends)
 from kxpu.backends.registry import BackendConfig, known_keys, lookup
+from kxpu.cdi.spec import validate_kind
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
 
 # The kubelet's rules for an extended resource name (v1helper.IsExtendedResourceName):
 # "domain/name", not in the kubernetes.io domains, not "requests.*", and "requests.<name>"
@@ -53,10 +55,47 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
 
+class CdiConfig(_Model):
+    """``cdi:`` on a resource: write a CDI spec for its devices and allocate by CDI device name."""
+
+    enabled: bool = False
+    spec_dir: Path = DEFAULT_CDI_SPEC_DIR
+    kind: str | None = Field(default=None, description="vendor/class; default: the resource name")
+    annotations: bool = False
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, value: str | None) -> str | None:
+        return None if value is None else validate_kind(value)
+
+    @field_validator("spec_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        if not value.is_absolute():
+            raise ValueError(f"specDir {value} must be an absolute path")
+        return value
+
+
 class ResourceConfig(_Model):
     name: str
     backend: str = Field(description="the backend key that appeared in the file")
     backend_config: BackendConfig
+    cdi: CdiConfig = Field(default_factory=CdiConfig)
+
+    @property
+    def cdi_kind(self) -> str:
+        return self.cdi.kind or self.name
+
+    @model_validator(mode="after")
+    def _cdi_kind(self) -> ResourceConfig:
+        if self.cdi.enabled and self.cdi.kind is None:
+            try:
+                validate_kind(self.name)
+            except ValueError as exc:
+                raise ValueError(
+                    f"cdi.kind: the resource name is not a usable CDI kind ({exc}); set cdi.kind"
+                ) from None
+        return self
 
     @field_validator("name")
     @classmethod
@@ -69,7 +108,7 @@ class ResourceConfig(_Model):
         """Turn ``{name, <backendKey>: {...}}`` into ``{name, backend, backend_config}``."""
         if not isinstance(data, dict) or "backend" in data:
             return data
-        own = {"name"}
+        own = {"name", "cdi"}
         candidates = [k for k in data if k not in own]
         unknown = [k for k in candidates if lookup(k) is None]
         if unknown:
@@ -89,6 +128,11 @@ class ResourceConfig(_Model):
             parsed = spec.config_model.model_validate(section)
         except ValidationError as exc:
             raise _SectionErrors(_error_lines(exc, prefix=key)) from None
+        if isinstance(rest.get("name"), str):
+            try:
+                rest["name"] = parsed.resource_name(rest["name"])
+            except ValueError as exc:
+                raise _SectionErrors([(key, str(exc))]) from None
         return {**rest, "backend": key, "backend_config": parsed}
 
 

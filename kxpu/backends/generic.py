@@ -18,7 +18,7 @@ from pydantic import Field, field_validator
 
 from kxpu.backends.mounts import MountConfig
 from kxpu.backends.registry import BackendConfig, register_backend
-from kxpu.backends.templates import check_env_templates, check_template, render_env
+from kxpu.backends.templates import EnvTemplates, check_template, render_env
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 from kxpu.model import (
@@ -42,7 +42,7 @@ class DeviceGroup(BackendConfig):
     container_path: str = Field(default="{path}", description="template: {path} (host path), {name}")
     permissions: str = "rw"
     count: int = Field(default=1, ge=1, le=1024, description="shares of each matched device")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvTemplates = Field(default_factory=dict)
     mounts: list[MountConfig] = Field(default_factory=list)
 
     @field_validator("paths")
@@ -66,12 +66,6 @@ class DeviceGroup(BackendConfig):
     def _permissions(cls, value: str) -> str:
         if not value or not set(value) <= set("rwm"):
             raise ValueError(f"permissions {value!r} must be a non-empty mix of r, w and m")
-        return value
-
-    @field_validator("env")
-    @classmethod
-    def _templates(cls, value: dict[str, str]) -> dict[str, str]:
-        check_env_templates(value)
         return value
 
 

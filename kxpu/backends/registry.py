@@ -27,6 +27,12 @@ class BackendConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
+    def resource_name(self, configured: str) -> str:
+        """The name the section's devices are advertised under; a backend may derive it from the
+        configured one (NVIDIA's time-slicing ``renameByDefault`` → ``<name>.shared``) or refuse it
+        with ValueError."""
+        return configured
+
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:

@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kxpu.backends.mounts import MountConfig
 from kxpu.backends.registry import BackendConfig, register_backend
-from kxpu.backends.templates import check_env_templates, render_env
+from kxpu.backends.templates import EnvTemplates, render_env
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 from kxpu.model import Backend, ContainerEdits, Device, Health, check_device_id, numa_packed
@@ -35,19 +35,13 @@ class SimulatedConfig(BackendConfig):
     cores: int | None = Field(default=None, ge=1)
     numa_nodes: list[int] | None = None
     state_file: Path | None = None
-    env: dict[str, str] = Field(default_factory=lambda: {"KXPU_VISIBLE_DEVICES": "{ids}"})
+    env: EnvTemplates = Field(default_factory=lambda: {"KXPU_VISIBLE_DEVICES": "{ids}"})
     mounts: list[MountConfig] = Field(default_factory=list)
 
     @field_validator("model")
     @classmethod
     def _id_safe(cls, value: str) -> str:
         check_device_id(f"{value}-0")
-        return value
-
-    @field_validator("env")
-    @classmethod
-    def _templates(cls, value: dict[str, str]) -> dict[str, str]:
-        check_env_templates(value)
         return value
 
     @model_validator(mode="after")

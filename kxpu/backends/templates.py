@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from string import Formatter
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from kxpu.model import Device
 
@@ -25,10 +28,14 @@ def check_template(template: str, allowed: Sequence[str]) -> str:
     return template
 
 
-def check_env_templates(env: Mapping[str, str]) -> Mapping[str, str]:
+def check_env_templates(env: dict[str, str]) -> dict[str, str]:
     for value in env.values():
         check_template(value, DEVICE_LIST_FIELDS)
     return env
+
+
+# A config field of env var templates, checked when the config is loaded.
+EnvTemplates = Annotated[dict[str, str], AfterValidator(check_env_templates)]
 
 
 def device_list_values(devices: Sequence[Device]) -> dict[str, str]:

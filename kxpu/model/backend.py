@@ -68,6 +68,13 @@ class Closable(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class NodeLabeller(Protocol):
+    """Knows node labels describing its devices (GPU Feature Discovery style); ``kxpu devices`` shows them."""
+
+    def node_labels(self) -> dict[str, str]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     watch: bool

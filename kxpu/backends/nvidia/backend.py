@@ -1,0 +1,408 @@
+"""NVIDIA GPUs through NVML: whole GPUs, MIG devices, time-sliced replicas, health and labels.
+
+Discovery runs once, when the backend is built (a MIG layout change needs a reload, as
+with NVIDIA's plugin); health changes arrive from the NVML event thread and are pushed
+through ``watch()`` at once. What a container gets follows NVIDIA's device list strategies,
+so existing NVIDIA container runtimes and hooks keep working unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import threading
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kxpu.backends.nvidia import discovery, topology
+from kxpu.backends.nvidia.config import GpuRef, NvidiaConfig
+from kxpu.backends.nvidia.discovery import GpuInfo, Inventory, MigInfo
+from kxpu.backends.nvidia.health import DEFAULT_WAIT_MS, HealthKey, HealthMonitor, XidPolicy
+from kxpu.backends.nvidia.labels import gpu_labels, write_features_file
+from kxpu.backends.nvidia.nvml import NvmlSource, default_source, describe
+from kxpu.backends.nvidia.sharing import pick_replicas
+from kxpu.backends.registry import register_backend
+from kxpu.logs import get_logger
+from kxpu.model import Backend, BackendError, ContainerEdits, Device, DeviceNode, Health, Mount, numa_packed
+
+log = get_logger("kxpu.backends.nvidia")
+
+VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+VOLUME_MOUNTS_HOST_PATH = "/dev/null"
+VOLUME_MOUNTS_CONTAINER_ROOT = "/var/run/nvidia-container-devices"
+CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+REPLICA_SEPARATOR = "::"
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One allocatable device: a GPU or MIG device, or one time-slicing replica of it."""
+
+    id: str
+    visible: str  # the name NVIDIA's runtime understands: UUID or index, without the replica suffix
+    gpu: GpuInfo
+    mig: MigInfo | None = None
+    replica: int | None = None
+    replicas: int = 1
+
+    @property
+    def physical(self) -> str:
+        return self.mig.uuid if self.mig else self.gpu.uuid
+
+
+def _matches(ref: GpuRef, gpu: GpuInfo, mig: MigInfo | None = None) -> bool:
+    if isinstance(ref, int) or ref.isdigit():
+        return int(ref) == gpu.index
+    if ref == gpu.uuid:
+        return True
+    return mig is not None and ref in (mig.uuid, mig.index_id)
+
+
+class NvidiaBackend(Backend):
+    def __init__(
+        self,
+        config: NvidiaConfig,
+        source: NvmlSource | None = None,
+        environ: Mapping[str, str] | None = None,
+        event_wait_ms: int = DEFAULT_WAIT_MS,
+    ) -> None:
+        self.config = config
+        self.source = source or default_source()
+        self.nvml = self.source.module
+        self._environ = os.environ if environ is None else environ
+        self._initialized = False
+        self._closed = False
+        self._listeners: set[Callable[[], None]] = set()
+        self._listeners_lock = threading.Lock()
+        self.inventory = self._start_nvml()
+        try:
+            self.units = self._build_units(self.inventory)
+        except BaseException:
+            self._shutdown_nvml()
+            raise
+        self._by_id = {u.id: u for u in self.units}
+        self._gpu_of = {u.id: u.physical for u in self.units}
+        self._replicas_of = {u.physical: u.replicas for u in self.units}
+        whole = not any(u.mig for u in self.units) and not config.replicated
+        served = list({u.gpu.uuid: u.gpu for u in self.units}.values())
+        self.topology = topology.measure(self.nvml, served) if whole and len(served) > 1 else None
+        self.monitor: HealthMonitor | None = None
+        policy = XidPolicy.from_env(config.health.ignored_xids, self._environ)
+        if policy.checks_off:
+            log.info("health checks disabled by DP_DISABLE_HEALTHCHECKS")
+        elif served and self._initialized:
+            self.monitor = HealthMonitor(
+                self.nvml, served, policy, config.health.recovery, self._notify, wait_ms=event_wait_ms
+            )
+        log.info(
+            "NVIDIA devices discovered",
+            gpus=len(self.inventory.gpus),
+            devices=len(self.units),
+            driver=self.inventory.driver_version,
+            mig_strategy=config.mig_strategy,
+            fake_nvml=self.source.fake,
+        )
+
+    # ------------------------------------------------------------------ NVML lifecycle
+    def _start_nvml(self) -> Inventory:
+        nvml = self.nvml
+        try:
+            nvml.nvmlInit()
+            self._initialized = True
+            return discovery.discover(nvml, self.source.host_root)
+        except nvml.NVMLError as exc:
+            self._shutdown_nvml()
+            message = f"NVML unavailable ({describe(exc)}): is the NVIDIA driver installed and a GPU present?"
+            if self.config.fail_on_init_error:
+                log.error(message)
+                raise BackendError(f"{message} Set failOnInitError: false to run with zero GPUs.") from None
+            log.warning(message + " Serving no GPUs (failOnInitError: false).")
+            return Inventory(gpus=())
+
+    def _shutdown_nvml(self) -> None:
+        if self._initialized:
+            self._initialized = False
+            with contextlib.suppress(Exception):
+                self.nvml.nvmlShutdown()
+
+    # ------------------------------------------------------------------ which devices this resource serves
+    def _selected(self, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+        refs = self.config.devices
+        if refs == "all":
+            return list(gpus)
+        chosen = [g for g in gpus if any(_matches(r, g) for r in refs)]
+        for ref in refs:
+            if not any(_matches(ref, g) for g in gpus):
+                log.warning("devices names a GPU that is not on this node", gpu=str(ref))
+        return chosen
+
+    def _bases(self, gpus: list[GpuInfo]) -> list[tuple[GpuInfo, MigInfo | None]]:
+        strategy = self.config.mig_strategy
+        known = [g for g in gpus if g.error is None]
+        mig_on = [g for g in known if g.mig_enabled]
+        if strategy == "none":
+            return [(g, None) for g in gpus]
+        empty = [str(g.index) for g in mig_on if not g.migs]
+        if empty:
+            raise BackendError(
+                f"invalid MIG configuration: GPU {', '.join(empty)} has MIG enabled but no MIG devices; "
+                "create GPU and compute instances (nvidia-smi mig -cgi ... -C) or disable MIG"
+            )
+        if strategy == "single":
+            if not mig_on:
+                log.info("migStrategy single, but no GPU has MIG enabled: serving whole GPUs")
+                return [(g, None) for g in gpus]
+            if len(mig_on) != len(known):
+                off = [str(g.index) for g in known if not g.mig_enabled]
+                raise BackendError(
+                    "migStrategy single needs every GPU configured the same way, but MIG is off on GPU "
+                    f"{', '.join(off)} and on for the others; use migStrategy: mixed"
+                )
+            profiles = sorted({m.profile for g in mig_on for m in g.migs})
+            if len(profiles) > 1:
+                raise BackendError(
+                    "migStrategy single needs one MIG device type on every GPU, found "
+                    f"{', '.join(profiles)}; use migStrategy: mixed"
+                )
+            return [(g, m) for g in mig_on for m in g.migs]
+        # mixed
+        if self.config.mig_profile is None:
+            return [(g, None) for g in gpus if not g.mig_enabled]
+        chosen: list[tuple[GpuInfo, MigInfo | None]] = [
+            (g, m) for g in mig_on for m in g.migs if m.profile == self.config.mig_profile
+        ]
+        if not chosen:
+            found = sorted({m.profile for g in mig_on for m in g.migs})
+            log.warning(
+                "no MIG device has the configured profile",
+                mig_profile=self.config.mig_profile,
+                profiles_found=found,
+            )
+        return chosen
+
+    def _build_units(self, inventory: Inventory) -> list[Unit]:
+        by_index = self.config.device_id_strategy == "index"
+        entries = self.config.sharing.time_slicing.resources
+        units: list[Unit] = []
+        for gpu, mig in self._bases(self._selected(inventory.gpus)):
+            if mig is not None:
+                visible = mig.index_id if by_index else mig.uuid
+            else:
+                visible = str(gpu.index) if by_index else gpu.uuid
+            hits = [
+                n
+                for n, e in enumerate(entries)
+                if e.devices == "all" or any(_matches(r, gpu, mig) for r in e.devices)
+            ]
+            if len(hits) > 1:
+                raise BackendError(
+                    f"{visible} is named by sharing.timeSlicing.resources[{hits[0]}] and [{hits[1]}]; "
+                    "name each GPU in one entry"
+                )
+            if not hits:
+                units.append(Unit(visible, visible, gpu, mig))
+                continue
+            replicas = entries[hits[0]].replicas
+            units += [
+                Unit(f"{visible}{REPLICA_SEPARATOR}{n}", visible, gpu, mig, n, replicas)
+                for n in range(replicas)
+            ]
+        return units
+
+    # ------------------------------------------------------------------ devices
+    def _fault(self, unit: Unit, faults: Mapping[HealthKey, str]) -> str | None:
+        if unit.gpu.error:
+            return "discovery-failed"
+        uuid = unit.gpu.uuid
+        if (uuid, None, None) in faults:
+            return faults[(uuid, None, None)]
+        for (gpu_uuid, gi, ci), reason in faults.items():
+            if gpu_uuid != uuid:
+                continue
+            if unit.mig is None or (unit.mig.gi == gi and unit.mig.ci == ci):
+                return reason
+        return None
+
+    def _device(self, unit: Unit, reason: str | None) -> Device:
+        gpu, mig = unit.gpu, unit.mig
+        extra: dict[str, str | int | bool] = {"migCapable": gpu.mig_capable}
+        if gpu.compute_capability:
+            extra["computeCapability"] = "{}.{}".format(*gpu.compute_capability)
+        if gpu.minor is not None:
+            extra["minor"] = gpu.minor
+        if mig is not None:
+            extra.update(
+                migProfile=mig.profile,
+                migIndex=mig.index_id,
+                gpuInstance=mig.gi,
+                computeInstance=mig.ci,
+                giSlices=mig.gi_slices,
+                ciSlices=mig.ci_slices,
+                parentUuid=gpu.uuid,
+            )
+        if unit.replica is not None:
+            extra.update(replica=unit.replica, replicas=unit.replicas)
+        return Device(
+            id=unit.id,
+            health=Health.UNHEALTHY if reason else Health.HEALTHY,
+            health_reason=reason,
+            numa_nodes=(gpu.numa_node,) if gpu.numa_node is not None else (),
+            model=gpu.name,
+            uuid=unit.physical,
+            index=gpu.index,
+            memory_mib=mig.memory_mib if mig else gpu.memory_mib,
+            pci_bus_id=gpu.pci_bus_id,
+            extra=extra,
+        )
+
+    def discover(self) -> list[Device]:
+        faults = self.monitor.snapshot() if self.monitor else {}
+        return [self._device(u, self._fault(u, faults)) for u in self.units]
+
+    def _notify(self) -> None:
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    async def watch(self) -> AsyncGenerator[list[Device], None]:
+        """First the full list once health events are being received, then a list on every health change."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                loop.call_soon_threadsafe(changed.set)
+
+        with self._listeners_lock:
+            self._listeners.add(wake)
+        try:
+            if self.monitor is not None and not self.monitor.running:
+                await asyncio.to_thread(self.monitor.start)
+            self._write_labels()
+            yield self.discover()
+            while True:
+                await changed.wait()
+                changed.clear()
+                yield self.discover()
+        finally:
+            with self._listeners_lock:
+                self._listeners.discard(wake)
+
+    # ------------------------------------------------------------------ allocation
+    def _units(self, devices: Sequence[Device]) -> list[Unit]:
+        try:
+            return [self._by_id[d.id] for d in devices]
+        except KeyError as exc:
+            raise BackendError(f"not an NVIDIA device of this resource: {exc.args[0]}") from None
+
+    def _dev_root(self) -> Path:
+        root = self.config.nvidia_driver_root
+        return root if (root / "dev").is_dir() else Path("/")
+
+    def _device_nodes(self, units: Sequence[Unit]) -> list[DeviceNode]:
+        dev_root = self._dev_root()
+        paths: list[str] = []
+        for unit in units:
+            if unit.gpu.minor is None:
+                raise BackendError(f"{unit.id}: the GPU's minor number is unknown ({unit.gpu.error})")
+            paths.append(f"/dev/nvidia{unit.gpu.minor}")
+            if unit.mig is not None:
+                paths += unit.mig.cap_paths
+        paths += [f"/dev/{name}" for name in CONTROL_DEVICES if (dev_root / "dev" / name).exists()]
+        return [DeviceNode(path, str(dev_root / path.lstrip("/")), "rw") for path in dict.fromkeys(paths)]
+
+    def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
+        units = self._units(devices)
+        ts = self.config.sharing.time_slicing
+        if ts.fail_requests_greater_than_one and len(units) > 1 and any(u.replicas > 1 for u in units):
+            raise BackendError(
+                f"maximum request size for shared resources is 1, got {len(units)} (failRequestsGreaterThanOne)"
+            )
+        visible = list(dict.fromkeys(u.visible for u in units))
+        strategies = self.config.device_list_strategy
+        edits = ContainerEdits()
+        if "envvar" in strategies:
+            edits.env[VISIBLE_DEVICES_ENV] = ",".join(visible)
+        if "volume-mounts" in strategies:
+            edits.env[VISIBLE_DEVICES_ENV] = VOLUME_MOUNTS_CONTAINER_ROOT
+            edits.mounts += [
+                Mount(f"{VOLUME_MOUNTS_CONTAINER_ROOT}/{v}", VOLUME_MOUNTS_HOST_PATH, read_only=True)
+                for v in visible
+            ]
+        names = [f"{self.config.cdi_kind}={v}" for v in visible]
+        if "cdi-cri" in strategies:
+            edits.cdi_devices += names
+        if "cdi-annotations" in strategies:
+            token = hashlib.sha256(",".join(visible).encode()).hexdigest()[:16]
+            edits.annotations[f"{self.config.cdi_annotation_prefix}kxpu-nvidia_{token}"] = ",".join(names)
+        if self.config.pass_device_specs:
+            edits.device_nodes += self._device_nodes(units)
+        return edits
+
+    def preferred_allocation(
+        self, available: Sequence[Device], must_include: Sequence[Device], size: int
+    ) -> list[str]:
+        """Replicas: distributed/packed; whole GPUs: best interconnect (see topology); else NUMA-packed."""
+        if self.config.replicated:
+            return pick_replicas(
+                [d.id for d in available],
+                [d.id for d in must_include],
+                size,
+                self._gpu_of,
+                self._replicas_of,
+                self.config.shared_devices_allocation_policy,
+            )
+        topo = self.topology
+        if topo is not None:
+            uuid_of = {
+                d.id: self._by_id[d.id].gpu.uuid for d in [*available, *must_include] if d.id in self._by_id
+            }
+            return topology.best_set(
+                [d.id for d in available if d.id in uuid_of],
+                [d.id for d in must_include if d.id in uuid_of],
+                size,
+                lambda a, b: topo.pair(uuid_of[a], uuid_of[b]),
+            )
+        return numa_packed(available, must_include, size)
+
+    # ------------------------------------------------------------------ labels
+    def node_labels(self) -> dict[str, str]:
+        """GPU Feature Discovery-style labels for what this resource serves."""
+        return gpu_labels(
+            self.discover(),
+            driver_version=self.inventory.driver_version,
+            cuda_driver_version=self.inventory.cuda_driver_version,
+            mig_strategy=self.config.mig_strategy,
+            mig_capable=any(g.mig_capable for g in self.inventory.gpus),
+            renamed=self.config.renamed,
+        )
+
+    def _write_labels(self) -> None:
+        path = self.config.labels.features_file
+        if path is None:
+            return
+        try:
+            write_features_file(path, self.node_labels())
+        except OSError as exc:
+            log.error("cannot write the NFD features file", path=str(path), error=str(exc))
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        path = self.config.labels.features_file
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        if self.monitor is not None:
+            self.monitor.stop(on_exit=self._shutdown_nvml)
+        else:
+            self._shutdown_nvml()
+
+
+register_backend("nvidia", NvidiaConfig)(NvidiaBackend)

@@ -1,0 +1,111 @@
+"""The fake NVML must look like nvidia-ml-py at the boundary the backend uses, or the tests prove nothing."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+
+import pynvml
+import pytest
+
+from kxpu.testing.fake_nvml import PROFILES, FakeHandle, FakeNvml
+
+
+def test_every_fake_nvml_function_exists_in_the_real_binding_with_compatible_arguments() -> None:
+    names = [n for n in dir(FakeNvml) if n.startswith("nvml") and callable(getattr(FakeNvml, n))]
+    assert len(names) > 30
+    for name in names:
+        real = getattr(pynvml, name, None)
+        assert real is not None, f"pynvml has no {name}"
+        fake_params = list(inspect.signature(getattr(FakeNvml, name)).parameters)[1:]
+        real_params = list(inspect.signature(real).parameters)
+        assert len(fake_params) == len(real_params), f"{name}: {fake_params} vs {real_params}"
+
+
+def test_errors_and_constants_are_the_bindings_own() -> None:
+    fake = FakeNvml("a100-8x")
+    assert fake.NVMLError is pynvml.NVMLError
+    assert fake.NVML_ERROR_TIMEOUT == pynvml.NVML_ERROR_TIMEOUT == 10
+    assert fake.NVML_ERROR_GPU_IS_LOST == 15
+    assert fake.NVML_ERROR_LIBRARY_NOT_FOUND == 12
+    assert fake.nvmlEventTypeXidCriticalError == 0x8
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        fake.nvmlDeviceGetCount()
+
+
+def test_return_shapes_match_the_binding() -> None:
+    fake = FakeNvml("a100-8x")
+    fake.nvmlInit()
+    handle = fake.nvmlDeviceGetHandleByIndex(0)
+    memory = fake.nvmlDeviceGetMemoryInfo(handle)
+    assert isinstance(memory, pynvml.c_nvmlMemory_t)
+    assert memory.total == 81920 * 1024 * 1024
+    pci = fake.nvmlDeviceGetPciInfo(handle)
+    assert isinstance(pci, pynvml.nvmlPciInfo_t)
+    assert pci.busId == "00000000:07:00.0"  # decoded to str, as the binding does
+    assert pci.busIdLegacy == "0000:07:00.0"
+    assert fake.nvmlDeviceGetCudaComputeCapability(handle) == (8, 0)
+    assert isinstance(fake.nvmlDeviceGetUUID(handle), str)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        fake.nvmlDeviceGetHandleByIndex(8)
+
+
+def test_mig_handles_answer_like_mig_devices() -> None:
+    fake = FakeNvml("h100-mig-mixed")
+    fake.nvmlInit()
+    gpu = fake.nvmlDeviceGetHandleByIndex(0)
+    assert fake.nvmlDeviceGetMigMode(gpu) == [pynvml.NVML_DEVICE_MIG_ENABLE] * 2
+    mig = fake.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 2)
+    attrs = fake.nvmlDeviceGetAttributes(mig)
+    assert isinstance(attrs, pynvml.c_nvmlDeviceAttributes)
+    assert (attrs.gpuInstanceSliceCount, attrs.memorySizeMB) == (1, 9856)
+    assert fake.nvmlDeviceGetUUID(mig).startswith("MIG-")
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        fake.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 4)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        fake.nvmlDeviceGetNumaNodeId(gpu)  # this profile leaves NUMA to sysfs
+
+
+def test_event_wait_blocks_until_the_timeout_then_raises_timeout() -> None:
+    fake = FakeNvml("a100-8x")
+    fake.nvmlInit()
+    es = fake.nvmlEventSetCreate()
+    start = time.monotonic()
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        fake.nvmlEventSetWait(es, 150)
+    assert time.monotonic() - start >= 0.14
+
+
+def test_event_wait_wakes_on_an_injected_xid_only_for_registered_events() -> None:
+    fake = FakeNvml("a100-8x")
+    fake.nvmlInit()
+    es = fake.nvmlEventSetCreate()
+    assert fake.inject_xid(0, 79) == 0  # nothing registered yet: the event is not delivered
+    fake.nvmlDeviceRegisterEvents(FakeHandle(0), pynvml.nvmlEventTypeXidCriticalError, es)
+    threading.Timer(0.05, fake.inject_xid, (0, 48)).start()
+    event = fake.nvmlEventSetWait(es, 5000)
+    assert (event.device, event.eventType, event.eventData) == (FakeHandle(0), 0x8, 48)
+    assert event.gpuInstanceId == 0xFFFFFFFF
+
+
+def test_lost_gpu_answers_gpu_is_lost_except_for_its_cached_uuid() -> None:
+    fake = FakeNvml("a100-8x")
+    fake.nvmlInit()
+    handle = fake.nvmlDeviceGetHandleByIndex(3)
+    fake.lose_gpu(3, xid=None)
+    assert fake.nvmlDeviceGetUUID(handle).startswith("GPU-")
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetMemoryInfo(handle)
+
+
+def test_no_driver_profile_fails_init_like_a_node_without_the_library() -> None:
+    with pytest.raises(pynvml.NVMLError_LibraryNotFound):
+        FakeNvml("no-driver").nvmlInit()
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_profiles_build_and_have_unique_uuids(name: str) -> None:
+    fake = FakeNvml(name)
+    uuids = [g.uuid for g in fake.gpus] + [m.uuid for g in fake.gpus for m in g.migs]
+    assert len(uuids) == len(set(uuids))
