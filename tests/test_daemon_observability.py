@@ -108,7 +108,10 @@ def test_devices_command_prints_discovery(write_config: Callable[..., Path]) -> 
     config = write_config([simulated(count=2, memoryMiB=1024, numaNodes=[0, 1])])
     result = subprocess.run(
         [sys.executable, "-m", "kxpu", "devices", "--config", str(config), "-o", "json"],
-        capture_output=True, text=True, timeout=30, check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     )
     doc = json.loads(result.stdout)
     devices = doc[NPU]["devices"]
@@ -119,6 +122,9 @@ def test_devices_command_prints_discovery(write_config: Callable[..., Path]) -> 
     ]
     table = subprocess.run(
         [sys.executable, "-m", "kxpu", "devices", "--config", str(config)],
-        capture_output=True, text=True, timeout=30, check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     ).stdout
     assert "sim-npu-1" in table and "numa=1" in table

@@ -32,7 +32,9 @@ async def test_example_backend_serves_through_the_daemon(
         (entry / "uuid").write_text(f"ACME-{n:04d}\n")
         (entry / "status").write_text(status)
         (entry / "numa_node").write_text(str(numa))
-    config = write_config([{"name": "acme.com/npu", "acme": {"classDir": str(class_dir), "devDir": "/dev/acme"}}])
+    config = write_config(
+        [{"name": "acme.com/npu", "acme": {"classDir": str(class_dir), "devDir": "/dev/acme"}}]
+    )
     await daemons(config, "--import", "acme_npu", env={"PYTHONPATH": str(ROOT / "examples")})
     view = await kubelet.wait_registered("acme.com/npu")
     assert view.devices == {"npu0": "Healthy", "npu1": "Healthy", "npu2": "Unhealthy"}

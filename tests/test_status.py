@@ -53,7 +53,9 @@ async def test_status_shows_holders_and_health(
         assert rows["sim-npu-2"]["holders"] == [] and rows["sim-npu-2"]["health"] == "Unhealthy"
         assert rows["sim-npu-2"]["reason"] == "state-file"
 
-        table = (await kxpu_status("--pod-resources-socket", str(socket), "--daemon", url, "--all-resources")).stdout
+        table = (
+            await kxpu_status("--pod-resources-socket", str(socket), "--daemon", url, "--all-resources")
+        ).stdout
         assert "ml/train/c1" in table and "Unhealthy (state-file)" in table and "x-1" in table
 
         # The daemon gone: the kubelet's view still shows, with the error; exit 0 (partial).
