@@ -32,6 +32,7 @@ demo: dev
 
 bench: dev
 	$(BIN)/python bench/bench_daemon.py
+	$(BIN)/python bench/bench_nvidia.py
 
 ## Regenerate kxpu/api from its .proto files (committed; `lint` checks they are current).
 proto: dev
