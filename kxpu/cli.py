@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,18 @@ def _build(resource: ResourceConfig) -> Backend:
     if resource.cdi.enabled:
         from kxpu.cdi import with_cdi
 
-        return with_cdi(
+        backend = with_cdi(
             backend, resource.name, resource.cdi_kind, resource.cdi.spec_dir, resource.cdi.annotations
         )
+    if resource.sharing is not None:  # outermost: slots over the (CDI-wrapped) physical devices
+        from kxpu.sharing.kube.node import KubeNodeLink
+        from kxpu.sharing.node import SharingBackend
+
+        sharing = resource.sharing
+        node = sharing.node_name or os.environ.get("NODE_NAME", "")
+        if not node:
+            raise ValueError(f"{resource.name}: sharing needs the node name (sharing.nodeName or $NODE_NAME)")
+        backend = SharingBackend(backend, resource.name, sharing, lambda: KubeNodeLink(node, sharing), node)
     return backend
 
 
@@ -243,6 +253,73 @@ def status(pod_resources_socket: Path, daemon_url: str, all_resources: bool, out
         click.echo(format_table(result))
     # Partial answers are still printed; fail only when neither side could be read.
     sys.exit(1 if len(result.errors) == 2 else 0)
+
+
+def _control_plane_config(path: Path | None) -> Any:
+    from kxpu.sharing.config import SharingConfigError, load_control_plane_config
+
+    try:
+        return load_control_plane_config(path)
+    except SharingConfigError as exc:
+        _fail(str(exc))
+
+
+control_plane_config_option = click.option(
+    "--config",
+    "config_path",
+    envvar="KXPU_SHARING_CONFIG",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Sharing control-plane config (families, policies, key Secret). Env: KXPU_SHARING_CONFIG.",
+)
+
+
+@main.command()
+@control_plane_config_option
+@click.option("--address", envvar="KXPU_SCHEDULER_ADDRESS", default=":8888", show_default=True)
+@log_level_option
+@log_format_option
+def scheduler(config_path: Path | None, address: str, log_level: str, log_format: str) -> None:
+    """Scheduler extender for fractional sharing (filter, prioritize, bind)."""
+    import socket
+
+    from kxpu.sharing.extender import serve
+
+    configure_logging(log_level, "json" if log_format == "json" else "text")
+    config = _control_plane_config(config_path)
+    owner = os.environ.get("POD_NAME") or socket.gethostname()
+    asyncio.run(serve(config, address, owner))
+
+
+@main.command()
+@control_plane_config_option
+@click.option("--address", envvar="KXPU_WEBHOOK_ADDRESS", default=":8443", show_default=True)
+@click.option("--tls-cert-file", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--tls-key-file", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--trusted-user",
+    "trusted_users",
+    multiple=True,
+    help="Also may change kxpu's pod annotations (besides trustedUsers from the config).",
+)
+@log_level_option
+@log_format_option
+def webhook(
+    config_path: Path | None,
+    address: str,
+    tls_cert_file: Path,
+    tls_key_file: Path,
+    trusted_users: tuple[str, ...],
+    log_level: str,
+    log_format: str,
+) -> None:
+    """Admission webhook for fractional sharing (mutate and validate pods)."""
+    from kxpu.sharing.webhook import serve
+
+    configure_logging(log_level, "json" if log_format == "json" else "text")
+    config = _control_plane_config(config_path)
+    families = config.resource_families()
+    trusted = [*config.trusted_users, *trusted_users]
+    asyncio.run(serve(families, config.scheduler_name, trusted, address, tls_cert_file, tls_key_file))
 
 
 if __name__ == "__main__":

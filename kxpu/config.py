@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 import kxpu.backends  # noqa: F401  (registers the built-in backends)
 from kxpu.backends.registry import BackendConfig, known_keys, lookup
 from kxpu.cdi.spec import validate_kind
+from kxpu.sharing.config import SharingConfig
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
@@ -81,6 +82,9 @@ class ResourceConfig(_Model):
     backend: str = Field(description="the backend key that appeared in the file")
     backend_config: BackendConfig
     cdi: CdiConfig = Field(default_factory=CdiConfig)
+    sharing: SharingConfig | None = Field(
+        default=None, description="fractional sharing (kxpu.sharing.config)"
+    )
 
     @property
     def cdi_kind(self) -> str:
@@ -108,7 +112,7 @@ class ResourceConfig(_Model):
         """Turn ``{name, <backendKey>: {...}}`` into ``{name, backend, backend_config}``."""
         if not isinstance(data, dict) or "backend" in data:
             return data
-        own = {"name", "cdi"}
+        own = {"name", "cdi", "sharing"}
         candidates = [k for k in data if k not in own]
         unknown = [k for k in candidates if lookup(k) is None]
         if unknown:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -19,6 +19,7 @@ from kxpu.daemon import metrics
 from kxpu.daemon.wire import WireKey, edits_to_pb, list_and_watch_response, wire_key
 from kxpu.logs import get_logger
 from kxpu.model import (
+    AsyncAllocator,
     Backend,
     BackendError,
     Device,
@@ -72,6 +73,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.backend = backend
         self.snapshot = snapshot
         caps = capabilities_of(backend)
+        # Resolved once: isinstance on runtime-checkable protocols is too slow for the Allocate path.
+        self._awaits = isinstance(backend, AsyncAllocator)
+        self._prefers = caps.preferred_allocation
         self.options = pb.DevicePluginOptions(
             pre_start_required=caps.pre_start,
             get_preferred_allocation_available=caps.preferred_allocation,
@@ -152,7 +156,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             where = f"container request {n}/{total}"
             try:
                 devices = self._lookup(ids, where)
-                edits = self.backend.allocate(devices)
+                if self._awaits:
+                    edits = await cast(AsyncAllocator, self.backend).allocate_async(devices)
+                else:
+                    edits = self.backend.allocate(devices)
             except Refused as exc:
                 await self._refuse(context, exc.code, str(exc), ids=ids)
             except BackendError as exc:
@@ -179,15 +186,22 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             if size <= 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} must be > 0")
             started = time.perf_counter()
-            chosen = self._preferred(available, must, size)
+            chosen = await self._preferred(available, must, size)
             metrics.PREFERRED_SECONDS.labels(self.resource).observe(time.perf_counter() - started)
             response.container_responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return response
 
-    def _preferred(self, available: list[Device], must: list[Device], size: int) -> list[str]:
-        if isinstance(self.backend, PreferredAllocator):
+    async def _preferred(self, available: list[Device], must: list[Device], size: int) -> list[str]:
+        if self._prefers:
             try:
-                chosen = self.backend.preferred_allocation(available, must, size)
+                if self._awaits:
+                    chosen = await cast(AsyncAllocator, self.backend).preferred_allocation_async(
+                        available, must, size
+                    )
+                else:
+                    chosen = cast(PreferredAllocator, self.backend).preferred_allocation(
+                        available, must, size
+                    )
                 if _valid_choice(chosen, available, must, size):
                     return chosen
                 self.log.warning("backend preferred allocation ignored: breaks the request", chosen=chosen)

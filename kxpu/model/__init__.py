@@ -2,6 +2,7 @@
 
 from kxpu.model.allocation import numa_packed
 from kxpu.model.backend import (
+    AsyncAllocator,
     Backend,
     BackendError,
     Capabilities,
@@ -24,6 +25,7 @@ from kxpu.model.edits import ContainerEdits, DeviceNode, Mount
 
 __all__ = [
     "MAX_DEVICE_ID_LENGTH",
+    "AsyncAllocator",
     "Backend",
     "BackendError",
     "Capabilities",

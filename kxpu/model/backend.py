@@ -55,6 +55,19 @@ class PreferredAllocator(Protocol):
 
 
 @runtime_checkable
+class AsyncAllocator(Protocol):
+    """Must await something off the node (an API server handshake) to answer; the daemon then awaits
+    ``allocate_async`` instead of calling ``allocate``, and ``preferred_allocation_async`` instead of
+    ``preferred_allocation``. Still runs on the loop: await, never block."""
+
+    async def allocate_async(self, devices: Sequence[Device]) -> ContainerEdits: ...
+
+    async def preferred_allocation_async(
+        self, available: Sequence[Device], must_include: Sequence[Device], size: int
+    ) -> list[str]: ...
+
+
+@runtime_checkable
 class PreStarter(Protocol):
     """Needs a step before each container starts (the daemon then asks for PreStartContainer)."""
 

@@ -1,0 +1,176 @@
+"""Config of fractional sharing: the node daemon's ``sharing:`` section and the control plane's file.
+
+Node side, on a resource of the daemon's config (the count resource is the resource's name)::
+
+    resources:
+      - name: example.com/npu
+        simulated: {count: 4, memoryMiB: 16384, cores: 64}
+        sharing:
+          splitCount: 4              # slots per device the kubelet sees (IDs <id>::<n>)
+          memoryScaling: 1.0         # > 1 overcommits memory
+          coreScaling: 1.0           # > 1 overcommits cores
+          nodeName: null             # default: $NODE_NAME
+          signingKey: {secret: kxpu-system/kxpu-signing-key, field: keys}   # or {file: /etc/kxpu/keys}
+          visibleDevicesEnv: KXPU_VISIBLE_DEVICES
+          memoryLimitEnv: CUDA_DEVICE_MEMORY_LIMIT_{i}
+          coreLimitEnv: CUDA_DEVICE_SM_LIMIT
+          env: {}                    # extra env for every shared container
+          mounts: []                 # e.g. HAMi-core's libvgpu.so and ld.so.preload
+          publishIntervalSeconds: 30
+          allocateTimeoutSeconds: 10
+          maxAssignmentAgeSeconds: 600
+
+Control plane (``kxpu scheduler --config`` and ``kxpu webhook --config``)::
+
+    version: v1
+    families:
+      - resource: nvidia.com/gpu     # companions derived: nvidia.com/gpumem, gpumem-percentage, gpucores
+      - resource: example.com/npu
+        defaultMemoryMiB: 4096
+    nodePolicy: binpack
+    devicePolicy: spread
+    schedulerName: kxpu-scheduler
+    signingKey: {secret: kxpu-system/kxpu-signing-key}
+    lockTimeoutSeconds: 60
+    inventoryStaleSeconds: 120
+    trustedUsers: [system:serviceaccount:kxpu-system:kxpu-scheduler, system:serviceaccount:kxpu-system:kxpu-node]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from kxpu.sharing.model import Policy
+from kxpu.sharing.requests import ResourceFamily
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+class KeySource(_Model):
+    """Where the HMAC keys come from: a Secret (``namespace/name``, read through the API) or a file."""
+
+    secret: str | None = None
+    field: str = "keys"
+    file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> KeySource:
+        if (self.secret is None) == (self.file is None):
+            raise ValueError("set exactly one of secret (namespace/name) and file")
+        if self.secret is not None and self.secret.count("/") != 1:
+            raise ValueError(f"secret {self.secret!r} must be namespace/name")
+        return self
+
+    @property
+    def secret_ref(self) -> tuple[str, str]:
+        assert self.secret is not None
+        namespace, _, name = self.secret.partition("/")
+        return namespace, name
+
+
+class MountConfig(_Model):
+    host_path: str
+    container_path: str
+    read_only: bool = True
+
+
+class SharingConfig(_Model):
+    """``sharing:`` on a daemon resource: advertise slots and answer Allocate from signed assignments."""
+
+    split_count: int = Field(default=10, ge=1, le=1000)
+    memory_scaling: float = Field(default=1.0, gt=0, le=100)
+    core_scaling: float = Field(default=1.0, gt=0, le=100)
+    node_name: str | None = None
+    signing_key: KeySource = Field(default_factory=lambda: KeySource(secret="kxpu-system/kxpu-signing-key"))
+    visible_devices_env: str = "KXPU_VISIBLE_DEVICES"
+    memory_limit_env: str = "CUDA_DEVICE_MEMORY_LIMIT_{i}"
+    core_limit_env: str = "CUDA_DEVICE_SM_LIMIT"
+    env: dict[str, str] = Field(default_factory=dict)
+    mounts: list[MountConfig] = Field(default_factory=list)
+    publish_interval_seconds: float = Field(default=30.0, gt=0)
+    allocate_timeout_seconds: float = Field(default=10.0, gt=0)
+    max_assignment_age_seconds: float = Field(default=600.0, gt=0)
+
+    @field_validator("memory_limit_env")
+    @classmethod
+    def _has_index(cls, value: str) -> str:
+        if "{i}" not in value:
+            raise ValueError("memoryLimitEnv needs {i} (the device's index in the container)")
+        return value
+
+
+class FamilyConfig(_Model):
+    resource: str
+    memory: str | None = None
+    memory_percentage: str | None = None
+    cores: str | None = None
+    default_count: int = Field(default=1, ge=1)
+    default_memory_mib: int | None = Field(default=None, ge=1, alias="defaultMemoryMiB")
+    default_memory_percentage: int = Field(default=100, ge=1, le=100)
+    default_cores: int = Field(default=0, ge=0, le=100)
+    exclusive_when_count_only: bool = True
+
+    def family(self) -> ResourceFamily:
+        return ResourceFamily.derived(
+            self.resource,
+            memory=self.memory,
+            memory_percentage=self.memory_percentage,
+            cores=self.cores,
+            default_count=self.default_count,
+            default_memory_mib=self.default_memory_mib,
+            default_memory_percentage=self.default_memory_percentage,
+            default_cores=self.default_cores,
+            exclusive_when_count_only=self.exclusive_when_count_only,
+        )
+
+
+class ControlPlaneConfig(_Model):
+    version: Literal["v1"] = "v1"
+    families: list[FamilyConfig] = Field(
+        default_factory=lambda: [FamilyConfig(resource="nvidia.com/gpu")], min_length=1
+    )
+    node_policy: Policy = Policy.BINPACK
+    device_policy: Policy = Policy.SPREAD
+    scheduler_name: str = "kxpu-scheduler"
+    signing_key: KeySource = Field(default_factory=lambda: KeySource(secret="kxpu-system/kxpu-signing-key"))
+    lock_timeout_seconds: float = Field(default=60.0, gt=0)
+    inventory_stale_seconds: float = Field(default=120.0, gt=0)
+    # who may change kxpu's pod annotations (the webhook denies everyone else): the extender's and
+    # the node daemon's service accounts
+    trusted_users: list[str] = Field(
+        default_factory=lambda: [
+            "system:serviceaccount:kxpu-system:kxpu-scheduler",
+            "system:serviceaccount:kxpu-system:kxpu-node",
+        ]
+    )
+
+    def resource_families(self) -> list[ResourceFamily]:
+        return [f.family() for f in self.families]
+
+
+class SharingConfigError(Exception):
+    pass
+
+
+def load_control_plane_config(path: Path | None) -> ControlPlaneConfig:
+    if path is None:
+        return ControlPlaneConfig()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SharingConfigError(f"{path}: {exc}") from None
+    try:
+        return ControlPlaneConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [
+            f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors(include_url=False)
+        ]
+        raise SharingConfigError(f"{path}: {'; '.join(lines)}") from None

@@ -1,0 +1,134 @@
+"""The extender's writes: node locks (compare-and-swap on resourceVersion), assignments, binding, events."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightkube import ApiError, AsyncClient
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Node, Pod
+from lightkube.types import PatchType
+
+from kxpu.logs import get_logger
+from kxpu.sharing.kube.client import (
+    ASSIGNED_POD_LABEL,
+    annotations_of,
+    is_status,
+    now,
+    post_event,
+    version_of,
+)
+from kxpu.sharing.lock import LockError, NodeLock, holder_state, lock_key
+from kxpu.sharing.scheduler import LockBusy, PodRef
+
+log = get_logger("kxpu.sharing.kube.api")
+
+_CAS_ATTEMPTS = 5
+_Binding = create_namespaced_resource("", "v1", "Binding", "bindings")
+
+
+class KubeSchedulerAPI:
+    def __init__(
+        self, client: AsyncClient, owner: str, lock_ttl_s: float = 60.0, hard_expiry_s: float = 600.0
+    ) -> None:
+        self.client = client
+        self.owner = owner
+        self.lock_ttl_s = lock_ttl_s
+        self.hard_expiry_s = hard_expiry_s
+
+    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
+        pod = await self.client.get(Pod, name, namespace=namespace)
+        return pod.to_dict()
+
+    async def _holder(self, lock: NodeLock) -> Mapping[str, Any] | None:
+        try:
+            return (await self.client.get(Pod, lock.name, namespace=lock.namespace)).to_dict()
+        except ApiError as exc:
+            if is_status(exc, 404):
+                return None
+            raise
+
+    async def acquire_lock(self, node: str, resource: str, pod: PodRef) -> None:
+        key = lock_key(resource)
+        for _ in range(_CAS_ATTEMPTS):
+            obj = await self.client.get(Node, node)
+            held = annotations_of(obj).get(key)
+            if held is not None:
+                try:
+                    lock = NodeLock.decode(held)
+                except LockError as exc:
+                    log.warning("replacing an unreadable node lock", node=node, error=str(exc))
+                else:
+                    if lock.uid != pod.uid:
+                        why = holder_state(
+                            lock, await self._holder(lock), resource, node, now(), self.hard_expiry_s
+                        )
+                        if why is None:
+                            raise LockBusy(
+                                f"node {node} is locked for {resource} by pod {lock.pod} (until it is admitted)"
+                            )
+                        log.info("taking over a node lock", node=node, previous=lock.pod, because=why)
+            t = now()
+            value = NodeLock(pod.namespace, pod.name, pod.uid, self.owner, t, t + self.lock_ttl_s).encode()
+            if await self._cas(node, version_of(obj), {key: value}):
+                return
+        raise LockBusy(f"node {node}: the lock kept changing under us")
+
+    async def release_lock(self, node: str, resource: str, pod: PodRef) -> None:
+        await release(self.client, node, resource, pod.uid)
+
+    async def _cas(self, node: str, version: str | None, annotations: Mapping[str, str | None]) -> bool:
+        return await cas_node_annotations(self.client, node, version, annotations)
+
+    async def annotate_pod(self, pod: PodRef, annotations: Mapping[str, str | None]) -> None:
+        labels: dict[str, str | None] = {ASSIGNED_POD_LABEL: "true" if any(annotations.values()) else None}
+        patch = {"metadata": {"uid": pod.uid, "annotations": dict(annotations), "labels": labels}}
+        await self.client.patch(Pod, pod.name, patch, namespace=pod.namespace, patch_type=PatchType.MERGE)
+
+    async def bind(self, pod: PodRef, node: str) -> None:
+        # POST .../bindings answers with a Status, which lightkube's typed Binding cannot decode;
+        # a generic resource takes the same request and any answer. The UID is a precondition.
+        binding = _Binding(
+            metadata=ObjectMeta(name=pod.name, namespace=pod.namespace, uid=pod.uid),
+            target={"apiVersion": "v1", "kind": "Node", "name": node},
+        )
+        await self.client.create(binding)
+
+    async def event(self, pod: PodRef, reason: str, message: str, warning: bool = False) -> None:
+        await post_event(
+            self.client, "Pod", pod.namespace, pod.name, pod.uid, reason, message, "kxpu-scheduler", warning
+        )
+
+
+async def cas_node_annotations(
+    client: AsyncClient, node: str, version: str | None, annotations: Mapping[str, str | None]
+) -> bool:
+    """Merge-patch node annotations if the node is still at ``version`` (False on a conflict)."""
+    patch = {"metadata": {"resourceVersion": version, "annotations": dict(annotations)}}
+    try:
+        await client.patch(Node, node, patch, patch_type=PatchType.MERGE)
+    except ApiError as exc:
+        if is_status(exc, 409):
+            return False
+        raise
+    return True
+
+
+async def release(client: AsyncClient, node: str, resource: str, uid: str) -> None:
+    """Remove the node lock if it still names the pod ``uid`` (compare-and-swap)."""
+    key = lock_key(resource)
+    for _ in range(_CAS_ATTEMPTS):
+        obj = await client.get(Node, node)
+        held = annotations_of(obj).get(key)
+        if held is None:
+            return
+        try:
+            if NodeLock.decode(held).uid != uid:
+                return  # someone else's now
+        except LockError:
+            return
+        if await cas_node_annotations(client, node, version_of(obj), {key: None}):
+            return
+    log.warning("could not release a node lock: it kept changing", node=node, resource=resource)

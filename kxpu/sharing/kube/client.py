@@ -1,0 +1,78 @@
+"""One lightkube AsyncClient per process, and the few helpers every kxpu component needs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from lightkube import ApiError, AsyncClient
+from lightkube.models.core_v1 import EventSource, ObjectReference
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event
+
+FIELD_MANAGER = "kxpu"
+# Labels that let the watches select only what kxpu cares about in a large cluster.
+SHARING_NODE_LABEL = "kxpu.io/sharing"  # set by the node daemon on nodes that publish an inventory
+ASSIGNED_POD_LABEL = "kxpu.io/assigned"  # set by the extender on pods it binds with an assignment
+
+
+def make_client() -> AsyncClient:
+    """In-cluster service account, else $KUBECONFIG / ~/.kube/config (lightkube's KubeConfig.from_env)."""
+    return AsyncClient(field_manager=FIELD_MANAGER)
+
+
+def is_status(exc: BaseException, *codes: int) -> bool:
+    return isinstance(exc, ApiError) and exc.status.code in codes
+
+
+def name_of(obj: Any) -> str:
+    return str(obj.metadata.name) if obj.metadata is not None else ""
+
+
+def uid_of(obj: Any) -> str:
+    return str(obj.metadata.uid) if obj.metadata is not None else ""
+
+
+def version_of(obj: Any) -> str | None:
+    return obj.metadata.resourceVersion if obj.metadata is not None else None
+
+
+def annotations_of(obj: Any) -> Mapping[str, str]:
+    meta = getattr(obj, "metadata", None)
+    return (meta.annotations if meta is not None else None) or {}
+
+
+async def post_event(
+    client: AsyncClient,
+    kind: str,
+    namespace: str,
+    name: str,
+    uid: str | None,
+    reason: str,
+    message: str,
+    component: str,
+    warning: bool = True,
+) -> None:
+    now = datetime.now(UTC)
+    await client.create(
+        Event(
+            metadata=ObjectMeta(generateName=f"{name}.", namespace=namespace),
+            involvedObject=ObjectReference(
+                apiVersion="v1", kind=kind, name=name, namespace=namespace if kind == "Pod" else None, uid=uid
+            ),
+            reason=reason,
+            message=message[:1024],
+            type="Warning" if warning else "Normal",
+            source=EventSource(component=component),
+            firstTimestamp=now,
+            lastTimestamp=now,
+            count=1,
+            reportingComponent=component,
+        )
+    )
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,158 @@
+"""Informer-style caches for the extender: list then watch nodes and pods, feeding ClusterState.
+
+Only nodes labelled ``kxpu.io/sharing`` (set by node daemons that publish an inventory) and
+pods labelled ``kxpu.io/assigned`` (set by the extender at bind) are watched, so a large
+cluster's other objects cost nothing. A watch that fails (410 Gone, a dropped connection)
+is followed by a fresh list that *replaces* the cache, then a new watch. A pod's
+assignment counts once its signature verifies (age is not checked here: a running pod
+keeps its devices) and while the pod is live and not bound elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Node, Pod
+
+from kxpu.logs import get_logger
+from kxpu.sharing import signing
+from kxpu.sharing.kube.client import ASSIGNED_POD_LABEL, SHARING_NODE_LABEL, annotations_of, name_of, uid_of
+from kxpu.sharing.model import Assignment
+from kxpu.sharing.state import ClusterState
+
+log = get_logger("kxpu.sharing.kube.informer")
+
+
+def live_assignment(pod: Any, keys: Sequence[bytes]) -> Assignment | None:
+    meta = pod.metadata
+    annotations = annotations_of(pod)
+    if signing.ASSIGNMENT_ANNOTATION not in annotations:
+        return None
+    if pod.status is not None and pod.status.phase in ("Succeeded", "Failed"):
+        return None
+    try:
+        assignment = signing.verify(
+            annotations.get(signing.ASSIGNMENT_ANNOTATION),
+            annotations.get(signing.SIGNATURE_ANNOTATION),
+            keys,
+            pod_uid=meta.uid,
+            namespace=meta.namespace,
+            name=meta.name,
+            node=annotations_node(annotations),
+            now=time.time(),
+            max_age_s=math.inf,
+        )
+    except signing.SignatureError as exc:
+        log.warning(
+            "ignoring an assignment that does not verify", pod=f"{meta.namespace}/{meta.name}", error=str(exc)
+        )
+        return None
+    bound = pod.spec.nodeName if pod.spec is not None else None
+    if bound and bound != assignment.node:
+        return None
+    return assignment
+
+
+def annotations_node(annotations: Any) -> str:
+    try:
+        return signing.decode_assignment(annotations[signing.ASSIGNMENT_ANNOTATION]).node
+    except (signing.SignatureError, KeyError):
+        return ""
+
+
+def _list_version(listing: Any) -> str | None:
+    """The list's resourceVersion, to watch from exactly where the list ended (None: from now)."""
+    try:
+        return str(listing.resourceVersion)
+    except Exception:
+        return None
+
+
+class Informer:
+    def __init__(self, client: AsyncClient, state: ClusterState, keys: Callable[[], Sequence[bytes]]) -> None:
+        self.client = client
+        self.state = state
+        self.keys = keys
+        self._synced = {"nodes": False, "pods": False}
+        self.synced_event = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        return all(self._synced.values())
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._loop("nodes", self._sync_nodes))
+            tasks.create_task(self._loop("pods", self._sync_pods))
+
+    async def _loop(self, what: str, sync: Callable[[], Any]) -> None:
+        delay = 0.5
+        while True:
+            try:
+                await sync()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "watch failed; listing again",
+                    what=what,
+                    error=f"{type(exc).__name__}: {exc}",
+                    retry_in_s=delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            delay = 0.5
+
+    def _mark(self, what: str) -> None:
+        if not self._synced[what]:
+            self._synced[what] = True
+            log.info("cache synced", what=what)
+            if self.ready:
+                self.synced_event.set()
+
+    async def _sync_nodes(self) -> None:
+        listing = self.client.list(Node, labels={SHARING_NODE_LABEL: "true"})
+        seen: set[str] = set()
+        async for node in listing:
+            name = name_of(node)
+            seen.add(name)
+            self.state.set_node(name, annotations_of(node))
+        for gone in set(self.state.node_names) - seen:
+            self.state.remove_node(gone)
+        self._mark("nodes")
+        version = _list_version(listing)
+        async for event, node in self.client.watch(
+            Node, labels={SHARING_NODE_LABEL: "true"}, resource_version=version
+        ):
+            name = name_of(node)
+            if event == "DELETED":
+                self.state.remove_node(name)
+            else:
+                self.state.set_node(name, annotations_of(node))
+
+    async def _sync_pods(self) -> None:
+        listing = self.client.list(Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"})
+        keys = self.keys()
+        seen: set[str] = set()
+        async for pod in listing:
+            uid = uid_of(pod)
+            seen.add(uid)
+            self.state.set_pod(uid, live_assignment(pod, keys))
+        for gone in self.state.pod_uids() - seen:
+            self.state.remove_pod(gone)
+        self._mark("pods")
+        version = _list_version(listing)
+        async for event, pod in self.client.watch(
+            Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"}, resource_version=version
+        ):
+            uid = uid_of(pod)
+            if event == "DELETED":
+                self.state.remove_pod(uid)
+            else:
+                self.state.set_pod(uid, live_assignment(pod, self.keys()))

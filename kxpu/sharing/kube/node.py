@@ -1,0 +1,81 @@
+"""The node daemon's link to the API server (``kxpu.sharing.node.NodeLink``): its own Node and pods."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightkube import ApiError, AsyncClient
+from lightkube.resources.core_v1 import Node, Pod
+from lightkube.types import PatchType
+
+from kxpu.sharing.config import SharingConfig
+from kxpu.sharing.kube.api import release
+from kxpu.sharing.kube.client import (
+    SHARING_NODE_LABEL,
+    annotations_of,
+    is_status,
+    make_client,
+    now,
+    post_event,
+)
+from kxpu.sharing.kube.keys import KeyStore
+from kxpu.sharing.lock import LockError, NodeLock, allocated_key, lock_key
+from kxpu.sharing.scheduler import BIND_PHASE_ANNOTATION
+
+
+class KubeNodeLink:
+    def __init__(self, node: str, config: SharingConfig, client: AsyncClient | None = None) -> None:
+        self.node = node
+        self._client = client
+        self._keys = KeyStore(config.signing_key, lambda: self.client)
+
+    @property
+    def client(self) -> AsyncClient:
+        if self._client is None:  # created on the event loop, on first use
+            self._client = make_client()
+        return self._client
+
+    async def publish(self, resource: str, key: str, value: str) -> None:
+        patch = {"metadata": {"labels": {SHARING_NODE_LABEL: "true"}, "annotations": {key: value}}}
+        await self.client.patch(Node, self.node, patch, patch_type=PatchType.MERGE)
+
+    async def lock(self, resource: str) -> NodeLock | None:
+        held = annotations_of(await self.client.get(Node, self.node)).get(lock_key(resource))
+        if held is None:
+            return None
+        try:
+            return NodeLock.decode(held)
+        except LockError:
+            return None
+
+    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        try:
+            return (await self.client.get(Pod, name, namespace=namespace)).to_dict()
+        except ApiError as exc:
+            if is_status(exc, 404):
+                return None
+            raise
+
+    async def finish(self, resource: str, lock: NodeLock) -> None:
+        annotations = {allocated_key(resource): str(int(now())), BIND_PHASE_ANNOTATION: "allocated"}
+        patch = {"metadata": {"uid": lock.uid, "annotations": annotations}}
+        try:
+            await self.client.patch(
+                Pod, lock.name, patch, namespace=lock.namespace, patch_type=PatchType.MERGE
+            )
+        except ApiError as exc:
+            if not is_status(exc, 404, 409, 422):
+                raise
+        await release(self.client, self.node, resource, lock.uid)
+
+    async def warn(self, lock: NodeLock | None, reason: str, message: str) -> None:
+        if lock is not None:
+            await post_event(
+                self.client, "Pod", lock.namespace, lock.name, lock.uid, reason, message, "kxpu-node"
+            )
+        else:
+            await post_event(self.client, "Node", "default", self.node, None, reason, message, "kxpu-node")
+
+    async def keys(self) -> list[bytes]:
+        return await self._keys.get()

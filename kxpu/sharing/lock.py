@@ -1,0 +1,118 @@
+"""The node lock: at most one pod per node and family between bind and Allocate.
+
+The kubelet's Allocate carries no pod identity, so the node daemon learns which pod it is
+admitting from a lock the extender takes at bind: the node annotation
+``kxpu.io/lock.<domain>_<name>`` (e.g. ``kxpu.io/lock.nvidia.com_gpu``) holding
+``{"pod": "ns/name", "uid": …, "owner": …, "acquired": t, "expires": t}``. It is written
+with a compare-and-swap on the node's resourceVersion and released by the node daemon
+once the pod's last container of that family is allocated (which also marks the pod
+``kxpu.io/allocated.<domain>_<name>``).
+
+Recovery (``holder_state``), so a lost release never stalls a node for minutes as HAMi's
+5-minute lock does, yet a lock is never handed over while its pod may still be admitted
+(HAMi #3096, where an expired lock swapped two pods' limits): the lock is free at once
+when its pod is gone, replaced (other UID), finished, deleted, already allocated, or bound
+to another node; it expires if the pod was never bound; and if the pod is bound here but
+the kubelet never admits it, only after ``hard_expiry_s``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LOCK_PREFIX = "kxpu.io/lock."
+ALLOCATED_PREFIX = "kxpu.io/allocated."
+
+
+def _suffix(resource: str) -> str:
+    from kxpu.sharing.inventory import annotation_key
+
+    return annotation_key(resource).removeprefix("kxpu.io/devices.")
+
+
+def lock_key(resource: str) -> str:
+    return LOCK_PREFIX + _suffix(resource)
+
+
+def allocated_key(resource: str) -> str:
+    return ALLOCATED_PREFIX + _suffix(resource)
+
+
+class LockError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLock:
+    namespace: str
+    name: str
+    uid: str
+    owner: str
+    acquired: float
+    expires: float
+
+    @property
+    def pod(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def encode(self) -> str:
+        return json.dumps(
+            {
+                "pod": self.pod,
+                "uid": self.uid,
+                "owner": self.owner,
+                "acquired": self.acquired,
+                "expires": self.expires,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def decode(cls, text: str) -> NodeLock:
+        try:
+            doc = json.loads(text)
+            namespace, _, name = str(doc["pod"]).partition("/")
+            return cls(
+                namespace,
+                name,
+                str(doc["uid"]),
+                str(doc["owner"]),
+                float(doc["acquired"]),
+                float(doc["expires"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LockError(f"unreadable node lock {text[:80]!r}: {exc}") from None
+
+
+def holder_state(
+    lock: NodeLock,
+    holder: Mapping[str, Any] | None,
+    resource: str,
+    node: str,
+    now: float,
+    hard_expiry_s: float,
+) -> str | None:
+    """Why ``lock`` no longer binds anyone (None: it is held). ``holder``: its pod as the API shows it."""
+    if holder is None:
+        return "its pod is gone"
+    meta = holder.get("metadata") or {}
+    if meta.get("uid") != lock.uid:
+        return "its pod was replaced"
+    if meta.get("deletionTimestamp"):
+        return "its pod is being deleted"
+    if (holder.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return "its pod has finished"
+    if allocated_key(resource) in (meta.get("annotations") or {}):
+        return "its pod is already allocated"
+    bound = (holder.get("spec") or {}).get("nodeName")
+    if bound and bound != node:
+        return f"its pod is bound to {bound}"
+    if not bound and now > lock.expires:
+        return "it expired before its pod was bound"
+    if now > lock.acquired + hard_expiry_s:
+        return "the kubelet never admitted its pod"
+    return None

@@ -1,0 +1,271 @@
+"""The extender's decisions: filter, prioritize and bind over the in-memory cluster state.
+
+HTTP lives in ``extender.py``; the API server behind the ``SchedulerAPI`` protocol
+(``kxpu.sharing.kube.api`` for real, a fake in tests). Filter and prioritize only read
+the state; fits are memoized by request shape and node version, so prioritize reuses
+filter's work and the next replica of a Deployment reuses every fit on nodes that did not
+change. Bind decides again — authoritatively, under a per-node mutex and
+against usage that includes earlier binds — because kube-scheduler filters the next pod
+while it still binds the previous one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kxpu.logs import get_logger
+from kxpu.sharing.fit import Misfit, Placement, fit_pod
+from kxpu.sharing.model import Assignment, PodRequest, Policy
+from kxpu.sharing.policy import MAX_SCORE
+from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod
+from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION, encode_assignment, sign
+from kxpu.sharing.state import ClusterState
+
+log = get_logger("kxpu.sharing.scheduler")
+
+BIND_PHASE_ANNOTATION = "kxpu.io/bind-phase"
+_MEMO_SHAPES = 8
+_UNKNOWN = Misfit("node unknown to the kxpu scheduler (no inventory seen)")
+
+
+@dataclass(frozen=True, slots=True)
+class PodRef:
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class LockBusy(Exception):
+    """Another pod holds the node lock for a family (it is between bind and allocate)."""
+
+
+class SchedulerAPI(Protocol):
+    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]: ...
+
+    async def acquire_lock(self, node: str, resource: str, pod: PodRef) -> None:
+        """Take the node lock for ``resource`` or raise LockBusy."""
+
+    async def release_lock(self, node: str, resource: str, pod: PodRef) -> None:
+        """Drop the lock if ``pod`` still holds it."""
+
+    async def annotate_pod(self, pod: PodRef, annotations: Mapping[str, str | None]) -> None: ...
+
+    async def bind(self, pod: PodRef, node: str) -> None: ...
+
+    async def event(self, pod: PodRef, reason: str, message: str, warning: bool = False) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FilterResult:
+    passed: list[str]
+    failed: dict[str, str]  # may fit once other pods finish (preemption can help)
+    unresolvable: dict[str, str]  # no such devices at all
+    error: str = ""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        state: ClusterState,
+        families: Sequence[ResourceFamily],
+        keys: Callable[[], Sequence[bytes]],
+        api: SchedulerAPI | None = None,
+        node_policy: Policy = Policy.BINPACK,
+        device_policy: Policy = Policy.SPREAD,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.state = state
+        self.families = tuple(families)
+        self.keys = keys
+        self.api = api
+        self.node_policy = node_policy
+        self.device_policy = device_policy
+        self.clock = clock
+        self._memo: OrderedDict[tuple[PodRequest, ...], dict[str, tuple[int, Placement | Misfit]]] = (
+            OrderedDict()
+        )
+        self._node_mutex: dict[str, asyncio.Lock] = {}
+
+    def requests(self, pod: Mapping[str, Any]) -> list[PodRequest]:
+        return parse_pod(pod, self.families)
+
+    def _memo_for(self, requests: Sequence[PodRequest]) -> dict[str, tuple[int, Placement | Misfit]]:
+        """Fits by node for one request *shape* (frozen PodRequests), each valid at a node version.
+
+        A fit is a pure function of the request, the node's state and the policies, so the
+        next pod of a Deployment reuses every fit on nodes that did not change since; the
+        few most recent shapes are kept.
+        """
+        key = tuple(requests)
+        memo = self._memo.get(key)
+        if memo is None:
+            memo = self._memo[key] = {}
+            while len(self._memo) > _MEMO_SHAPES:
+                self._memo.pop(next(iter(self._memo)))
+        else:
+            self._memo.move_to_end(key)
+        return memo
+
+    def _fit_nodes(
+        self, requests: Sequence[PodRequest], nodes: Sequence[str]
+    ) -> list[tuple[str, Placement | Misfit]]:
+        memo = self._memo_for(requests)
+        node_of = self.state.node
+        node_policy, device_policy = self.node_policy, self.device_policy
+        out: list[tuple[str, Placement | Misfit]] = []
+        for name in nodes:
+            state = node_of(name)
+            if state is None:
+                out.append((name, _UNKNOWN))
+                continue
+            hit = memo.get(name)
+            if hit is not None and hit[0] == state.version:
+                out.append((name, hit[1]))
+                continue
+            result = fit_pod(requests, state, node_policy, device_policy)
+            if state.version >= 0:
+                memo[name] = (state.version, result)
+            out.append((name, result))
+        return out
+
+    def filter(self, pod: Mapping[str, Any], nodes: Sequence[str]) -> FilterResult:
+        try:
+            requests = self.requests(pod)
+        except RequestError as exc:
+            return FilterResult([], {}, dict.fromkeys(nodes, str(exc)), error="")
+        if not requests:
+            return FilterResult(list(nodes), {}, {})
+        passed: list[str] = []
+        failed: dict[str, str] = {}
+        unresolvable: dict[str, str] = {}
+        for node, result in self._fit_nodes(requests, nodes):
+            if isinstance(result, Placement):
+                passed.append(node)
+            elif result.reason.startswith(("no ", "node unknown")):
+                unresolvable[node] = result.reason
+            else:
+                failed[node] = result.reason
+        return FilterResult(passed, failed, unresolvable)
+
+    def prioritize(self, pod: Mapping[str, Any], nodes: Sequence[str]) -> list[tuple[str, int]]:
+        try:
+            requests = self.requests(pod)
+        except RequestError:
+            return [(n, 0) for n in nodes]
+        if not requests:
+            return [(n, 0) for n in nodes]
+        return [
+            (node, max(0, min(MAX_SCORE, round(result.score))) if isinstance(result, Placement) else 0)
+            for node, result in self._fit_nodes(requests, nodes)
+        ]
+
+    def decide(self, pod: Mapping[str, Any], node: str) -> Assignment | Misfit | None:
+        """Bind's decision against current usage (None: the pod asks for no shared devices)."""
+        requests = self.requests(pod)
+        if not requests:
+            return None
+        state = self.state.node(node)
+        if state is None:
+            return Misfit(f"node {node} has no kxpu inventory")
+        result = fit_pod(requests, state, self.node_policy, self.device_policy)
+        if isinstance(result, Misfit):
+            return result
+        meta = pod.get("metadata") or {}
+        return Assignment(
+            pod_uid=str(meta.get("uid", "")),
+            namespace=str(meta.get("namespace", "default")),
+            name=str(meta.get("name", "")),
+            node=node,
+            containers=result.containers,
+            issued_at=int(self.clock()),
+        )
+
+    async def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
+        """Bind with a signed assignment; '' on success, else the error kube-scheduler shows."""
+        if self.api is None:
+            return "the extender has no API client to bind with"
+        ref = PodRef(namespace, name, uid)
+        try:
+            pod = await self.api.get_pod(namespace, name)
+        except Exception as exc:
+            return f"cannot read pod {ref}: {exc}"
+        actual_uid = str((pod.get("metadata") or {}).get("uid", ""))
+        if uid and actual_uid != uid:
+            return f"pod {ref} was replaced (UID {actual_uid}, binding asked for {uid})"
+        ref = PodRef(namespace, name, actual_uid)
+        mutex = self._node_mutex.setdefault(node, asyncio.Lock())
+        async with mutex:
+            try:
+                decision = self.decide(pod, node)
+            except RequestError as exc:
+                return f"pod {ref}: {exc}"
+            if decision is None:
+                try:
+                    await self.api.bind(ref, node)
+                except Exception as exc:
+                    return f"binding {ref} to {node} failed: {exc}"
+                return ""
+            if isinstance(decision, Misfit):
+                return f"pod {ref} no longer fits {node}: {decision.reason}"
+            return await self._bind_assigned(ref, node, decision)
+
+    async def _bind_assigned(self, ref: PodRef, node: str, assignment: Assignment) -> str:
+        assert self.api is not None
+        locked: list[str] = []
+        annotated = False
+        self.state.assume(assignment)
+        try:
+            for resource in sorted(assignment.resources):
+                await self.api.acquire_lock(node, resource, ref)
+                locked.append(resource)
+            signature = sign(assignment, self.keys())
+            await self.api.annotate_pod(
+                ref,
+                {
+                    ASSIGNMENT_ANNOTATION: encode_assignment(assignment),
+                    SIGNATURE_ANNOTATION: signature,
+                    BIND_PHASE_ANNOTATION: "allocating",
+                },
+            )
+            annotated = True
+            await self.api.bind(ref, node)
+        except Exception as exc:
+            self.state.forget(ref.uid)
+            if annotated:
+                try:
+                    await self.api.annotate_pod(
+                        ref,
+                        dict.fromkeys((ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION, BIND_PHASE_ANNOTATION)),
+                    )
+                except Exception as clear_exc:
+                    log.warning("could not clear a failed assignment", pod=str(ref), error=str(clear_exc))
+            for resource in locked:
+                try:
+                    await self.api.release_lock(node, resource, ref)
+                except Exception as release_exc:
+                    log.warning(
+                        "could not release a node lock", node=node, pod=str(ref), error=str(release_exc)
+                    )
+            what = "node is locked" if isinstance(exc, LockBusy) else "bind failed"
+            log.info(what, pod=str(ref), node=node, error=str(exc))
+            return f"binding {ref} to {node}: {exc}"
+        devices = {c.container: [g.device for g in c.devices] for c in assignment.containers}
+        log.info("bound", pod=str(ref), node=node, devices=devices)
+        summary = "; ".join(
+            f"{c.container}: "
+            + ", ".join(f"{g.device} ({g.memory_mib} MiB, {g.cores}% cores)" for g in c.devices)
+            for c in assignment.containers
+        )
+        try:
+            await self.api.event(ref, "KxpuAssigned", f"assigned on {node}: {summary}")
+        except Exception as exc:  # an event is a courtesy; the bind stands
+            log.debug("could not record an event", pod=str(ref), error=str(exc))
+        return ""

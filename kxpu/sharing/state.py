@@ -1,0 +1,185 @@
+"""The scheduler's bookkeeping: every node's devices and what assigned pods use, kept incrementally.
+
+Fed by watch events (``kxpu.sharing.kube.informer``) or directly by tests and benchmarks;
+never by listing the API per request. Usage of a node is the sum of the assignments of
+its live pods (not Succeeded/Failed, not gone) plus *assumed* assignments: decisions made
+at bind whose pod update the watch has not delivered yet, so two binds in a row never
+count the same free memory twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from kxpu.logs import get_logger
+from kxpu.sharing import inventory
+from kxpu.sharing.fit import NodeState
+from kxpu.sharing.model import Assignment, NodeInventory
+
+log = get_logger("kxpu.sharing.state")
+
+
+@dataclass(slots=True)
+class _NodeEntry:
+    state: NodeState
+    raw: dict[str, str]  # resource → annotation text last decoded
+    seen: dict[str, float]  # resource → monotonic time the annotation last changed
+
+
+class ClusterState:
+    def __init__(
+        self,
+        resources: Iterable[str],
+        stale_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.resources = tuple(resources)
+        self._keys = {r: inventory.annotation_key(r) for r in self.resources}
+        self.stale_after_s = stale_after_s
+        self.clock = clock
+        self._nodes: dict[str, _NodeEntry] = {}
+        self._pods: dict[str, Assignment] = {}  # uid → assignment of a live pod
+        self._assumed: dict[str, Assignment] = {}
+        self._by_node: dict[str, set[str]] = {}  # node → uids in _pods or _assumed
+        self.generation = 0  # moves on every change of any node's devices or usage
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def set_node(self, name: str, annotations: Mapping[str, str]) -> None:
+        """A node was added or changed: decode the inventories whose annotation text changed."""
+        entry = self._nodes.get(name)
+        if entry is None:
+            entry = self._nodes[name] = _NodeEntry(NodeState(name), {}, {})
+        changed = False
+        for resource, key in self._keys.items():
+            text = annotations.get(key)
+            if text == entry.raw.get(resource):
+                continue
+            entry.seen[resource] = self.clock()
+            if text is None:
+                entry.raw.pop(resource, None)
+                entry.state.drop_inventory(resource)
+                changed = True
+                continue
+            entry.raw[resource] = text
+            try:
+                decoded = inventory.decode(text, resource)
+            except inventory.InventoryError as exc:
+                log.warning(
+                    "ignoring a bad inventory annotation", node=name, resource=resource, error=str(exc)
+                )
+                entry.state.drop_inventory(resource)
+                changed = True
+                continue
+            old = entry.state.families.get(resource)
+            if old is not None and [s.device for s in old] == list(decoded.devices):
+                continue  # only the timestamp moved (a heartbeat)
+            entry.state.set_inventory(decoded)
+            changed = True
+        if changed:
+            self._recount(name)
+            self.generation += 1
+
+    def set_inventory(self, name: str, inv: NodeInventory) -> None:
+        """Tests and benchmarks: install an inventory without the annotation round trip."""
+        entry = self._nodes.get(name)
+        if entry is None:
+            entry = self._nodes[name] = _NodeEntry(NodeState(name), {}, {})
+        entry.state.set_inventory(inv)
+        entry.seen[inv.resource] = self.clock()
+        self._recount(name)
+        self.generation += 1
+
+    def remove_node(self, name: str) -> None:
+        self._nodes.pop(name, None)
+        self.generation += 1
+
+    def node(self, name: str) -> NodeState | None:
+        """The node's state, without inventories not refreshed within ``stale_after_s``."""
+        entry = self._nodes.get(name)
+        if entry is None:
+            return None
+        if self.stale_after_s is not None:
+            now = self.clock()
+            stale = [r for r in entry.state.families if now - entry.seen.get(r, now) > self.stale_after_s]
+            if stale:
+                fresh = NodeState(name, {r: s for r, s in entry.state.families.items() if r not in stale})
+                fresh.version = -1
+                return fresh
+        return entry.state
+
+    @property
+    def node_names(self) -> list[str]:
+        return list(self._nodes)
+
+    def _recount(self, name: str) -> None:
+        entry = self._nodes.get(name)
+        if entry is None:
+            return
+        state = entry.state
+        for resource in list(state.families):
+            state.set_inventory(NodeInventory(resource, tuple(s.device for s in state.families[resource])))
+        for uid in self._by_node.get(name, ()):
+            assignment = self._assumed.get(uid) or self._pods.get(uid)
+            if assignment is not None:
+                state.apply(assignment)
+
+    # -- pods ----------------------------------------------------------------------------------
+
+    def _apply(self, assignment: Assignment, sign: int) -> None:
+        entry = self._nodes.get(assignment.node)
+        if entry is not None:
+            entry.state.apply(assignment, sign)
+
+    def _current(self, uid: str) -> Assignment | None:
+        return self._assumed.get(uid) or self._pods.get(uid)
+
+    def _replace(self, uid: str, pods: Assignment | None, assumed: Assignment | None) -> None:
+        before = self._current(uid)
+        if pods is None:
+            self._pods.pop(uid, None)
+        else:
+            self._pods[uid] = pods
+        if assumed is None:
+            self._assumed.pop(uid, None)
+        else:
+            self._assumed[uid] = assumed
+        after = self._current(uid)
+        if before == after:
+            return
+        self.generation += 1
+        if before is not None:
+            self._apply(before, -1)
+            self._by_node.get(before.node, set()).discard(uid)
+        if after is not None:
+            self._apply(after, 1)
+            self._by_node.setdefault(after.node, set()).add(uid)
+
+    def set_pod(self, uid: str, assignment: Assignment | None) -> None:
+        """A pod's live assignment as the API shows it (None: none, or the pod finished)."""
+        assumed = self._assumed.get(uid)
+        if assumed is not None and assignment == assumed:
+            assumed = None  # the watch caught up with our own bind
+        self._replace(uid, assignment, assumed)
+
+    def remove_pod(self, uid: str) -> None:
+        self._replace(uid, None, None)
+
+    def assume(self, assignment: Assignment) -> None:
+        """Count a decision made at bind before the watch shows it on the pod."""
+        self._replace(assignment.pod_uid, self._pods.get(assignment.pod_uid), assignment)
+
+    def forget(self, uid: str) -> None:
+        """A bind failed: drop its assumed assignment."""
+        self._replace(uid, self._pods.get(uid), None)
+
+    def pod_uids(self) -> set[str]:
+        return set(self._pods)
+
+    def assignment(self, uid: str) -> Assignment | None:
+        return self._current(uid)
+
+    def assignments_on(self, node: str) -> list[Assignment]:
+        return [a for uid in self._by_node.get(node, ()) if (a := self._current(uid)) is not None]

@@ -1,0 +1,272 @@
+"""``kxpu webhook``: admission for pods that ask for shared devices (AdmissionReview v1 over HTTPS).
+
+``POST /mutate`` (MutatingWebhookConfiguration), for a pod asking for any configured
+family:
+
+- sets ``spec.schedulerName`` to the kxpu scheduler (when it is empty or
+  ``default-scheduler``; a pod naming another scheduler keeps it);
+- adds the count resource (``default_count``) to containers that name only memory,
+  a percentage or cores: without it the kubelet would never call the device plugin,
+  and kube-scheduler would not count a slot.
+
+``POST /validate`` (ValidatingWebhookConfiguration) denies:
+
+- a pod created with kxpu's own annotations (``kxpu.io/assignment``, its signature,
+  ``kxpu.io/bind-phase``, ``kxpu.io/allocated.*``, ``kxpu.io/lock.*``), or an update
+  changing them by anyone but the trusted users (the scheduler's and node daemon's
+  service accounts). Defence in depth: a forged assignment would not verify anyway;
+- privileged containers asking for shared devices (they see every device, so no limit
+  would hold);
+- impossible requests (cores > 100, a percentage over 100, memory and a percentage
+  together, init containers asking for shared devices, …) with the reason;
+- pods with ``spec.nodeName`` preset that ask for shared devices (no scheduler decision,
+  no assignment: the node would refuse them at admission anyway).
+
+TLS: the certificate and key are files (mount the Secret holding them, e.g. one made by
+cert-manager); they are re-read when they change, so rotation needs no restart.
+
+Recommended ``failurePolicy``: ``Fail`` for both, with a ``namespaceSelector`` that
+leaves out ``kube-system`` and the kxpu namespace (so kxpu can always start) and an
+``objectSelector``-free rule on pods CREATE (mutating) and CREATE/UPDATE (validating).
+With ``Ignore``, a pod admitted while the webhook is down reaches the default scheduler
+and then fails admission on the node with a clear "no verified assignment" error and
+event; nothing is ever over-committed either way, ``Fail`` just fails earlier and louder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import ssl
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from kxpu.logs import get_logger
+from kxpu.sharing.lock import ALLOCATED_PREFIX, LOCK_PREFIX
+from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod, requested_names
+from kxpu.sharing.scheduler import BIND_PHASE_ANNOTATION
+from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION
+
+log = get_logger("kxpu.sharing.webhook")
+
+DEFAULT_SCHEDULER = "default-scheduler"
+_RESERVED_EXACT = frozenset({ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION, BIND_PHASE_ANNOTATION})
+
+
+def reserved(annotation: str) -> bool:
+    return annotation in _RESERVED_EXACT or annotation.startswith((ALLOCATED_PREFIX, LOCK_PREFIX))
+
+
+def _escape(segment: str) -> str:
+    return segment.replace("~", "~0").replace("/", "~1")
+
+
+def _asks(pod: Mapping[str, Any], families: Sequence[ResourceFamily]) -> bool:
+    names = requested_names(families)
+    spec = pod.get("spec") or {}
+    for container in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        resources = container.get("resources") or {}
+        if names & (set(resources.get("limits") or {}) | set(resources.get("requests") or {})):
+            return True
+    return False
+
+
+def mutate(
+    pod: Mapping[str, Any], families: Sequence[ResourceFamily], scheduler_name: str
+) -> list[dict[str, Any]]:
+    """JSONPatch operations for a pod (empty: nothing to change)."""
+    if not _asks(pod, families):
+        return []
+    ops: list[dict[str, Any]] = []
+    spec = pod.get("spec") or {}
+    if spec.get("schedulerName") in (None, "", DEFAULT_SCHEDULER):
+        ops.append({"op": "add", "path": "/spec/schedulerName", "value": scheduler_name})
+    for n, container in enumerate(spec.get("containers") or []):
+        resources = container.get("resources")
+        has_resources = resources is not None
+        has_limits = isinstance((resources or {}).get("limits"), dict)
+        named = set((resources or {}).get("limits") or {}) | set((resources or {}).get("requests") or {})
+        for family in families:
+            companions = {family.memory, family.memory_percentage, family.cores}
+            if family.count in named or not companions & named:
+                continue
+            if not has_resources:
+                ops.append({"op": "add", "path": f"/spec/containers/{n}/resources", "value": {}})
+                has_resources = True
+            if not has_limits:
+                ops.append({"op": "add", "path": f"/spec/containers/{n}/resources/limits", "value": {}})
+                has_limits = True
+            path = f"/spec/containers/{n}/resources/limits/{_escape(family.count)}"
+            ops.append({"op": "add", "path": path, "value": str(family.default_count)})
+            named.add(family.count)
+    return ops
+
+
+def validate(
+    request: Mapping[str, Any], families: Sequence[ResourceFamily], trusted_users: Sequence[str]
+) -> str | None:
+    """Why an admission request must be denied (None: allowed)."""
+    pod = request.get("object") or {}
+    old = request.get("oldObject") or {}
+    user = str((request.get("userInfo") or {}).get("username", ""))
+    operation = request.get("operation")
+    annotations: Mapping[str, str] = (pod.get("metadata") or {}).get("annotations") or {}
+    old_annotations: Mapping[str, str] = (old.get("metadata") or {}).get("annotations") or {}
+    if user not in trusted_users:
+        if operation == "CREATE":
+            carried = sorted(a for a in annotations if reserved(a))
+            if carried:
+                return f"pods may not carry kxpu's own annotations ({', '.join(carried)}); the scheduler writes them"
+        elif operation == "UPDATE":
+            changed = sorted(
+                a
+                for a in set(annotations) | set(old_annotations)
+                if reserved(a) and annotations.get(a) != old_annotations.get(a)
+            )
+            if changed:
+                return f"only the kxpu scheduler and node daemon may change {', '.join(changed)}"
+    if operation != "CREATE" or not _asks(pod, families):
+        return None
+    spec = pod.get("spec") or {}
+    names = requested_names(families)
+    for container in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        resources = container.get("resources") or {}
+        asked = names & (set(resources.get("limits") or {}) | set(resources.get("requests") or {}))
+        if asked and (container.get("securityContext") or {}).get("privileged"):
+            return (
+                f"container {container.get('name')!r} is privileged and asks for {', '.join(sorted(asked))}: "
+                "a privileged container sees every device, so sharing limits cannot hold"
+            )
+    if spec.get("nodeName"):
+        return (
+            "pods asking for shared devices must be scheduled by the kxpu scheduler, not have nodeName preset"
+        )
+    try:
+        parse_pod(pod, families)
+    except RequestError as exc:
+        return str(exc)
+    return None
+
+
+def _review(
+    request: Mapping[str, Any], allowed: bool, message: str = "", patch: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": allowed}
+    if message:
+        response["status"] = {"code": 403, "reason": "Forbidden", "message": message}
+    if patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
+
+
+def make_app(
+    families: Sequence[ResourceFamily], scheduler_name: str, trusted_users: Sequence[str] = ()
+) -> web.Application:
+    async def body(request: web.Request) -> dict[str, Any]:
+        try:
+            review = json.loads(await request.read())
+        except ValueError as exc:
+            raise web.HTTPBadRequest(text=f"not JSON: {exc}") from None
+        inner = review.get("request") if isinstance(review, dict) else None
+        if not isinstance(inner, dict):
+            raise web.HTTPBadRequest(text="expected an AdmissionReview with a request")
+        return inner
+
+    async def mutate_(request: web.Request) -> web.Response:
+        review = await body(request)
+        if review.get("kind", {}).get("kind") != "Pod" or review.get("operation") != "CREATE":
+            return web.json_response(_review(review, True))
+        patch = mutate(review.get("object") or {}, families, scheduler_name)
+        if patch:
+            log.info("mutated", pod=_name(review), ops=len(patch))
+        return web.json_response(_review(review, True, patch=patch))
+
+    async def validate_(request: web.Request) -> web.Response:
+        review = await body(request)
+        if review.get("kind", {}).get("kind") != "Pod":
+            return web.json_response(_review(review, True))
+        reason = validate(review, families, trusted_users)
+        if reason:
+            log.info("denied", pod=_name(review), reason=reason)
+            return web.json_response(_review(review, False, reason))
+        return web.json_response(_review(review, True))
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=8 * 1024 * 1024)
+    app.router.add_post("/mutate", mutate_)
+    app.router.add_post("/validate", validate_)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+def _name(review: Mapping[str, Any]) -> str:
+    return f"{review.get('namespace')}/{review.get('name') or (review.get('object') or {}).get('metadata', {}).get('generateName', '')}"
+
+
+class ReloadingTLS:
+    """A server SSL context whose certificate is re-read when the files change.
+
+    ``context`` is what the server listens with; on every ClientHello the connection is
+    switched to a context loaded from the current files (re-read only when their mtimes move).
+    """
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.cert, self.key = cert, key
+        self._stamp: tuple[float, float] | None = None
+        self._active = self._load()
+        self.context = self._active
+        self.context.sni_callback = self._on_hello
+
+    def _new_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        return context
+
+    def _load(self) -> ssl.SSLContext:
+        stamp = (self.cert.stat().st_mtime, self.key.stat().st_mtime)
+        context = self._new_context()
+        context.load_cert_chain(self.cert, self.key)
+        self._stamp = stamp
+        log.info("TLS certificate loaded", cert=str(self.cert))
+        return context
+
+    def current(self) -> ssl.SSLContext:
+        try:
+            if (self.cert.stat().st_mtime, self.key.stat().st_mtime) != self._stamp:
+                self._active = self._load()
+        except (OSError, ssl.SSLError) as exc:  # keep serving with the last good certificate
+            log.warning("TLS certificate reload failed", error=str(exc))
+        return self._active
+
+    def _on_hello(self, sock: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        active = self.current()
+        if active is not context:
+            sock.context = active
+
+
+async def serve(
+    families: Sequence[ResourceFamily],
+    scheduler_name: str,
+    trusted_users: Sequence[str],
+    address: str,
+    cert: Path,
+    key: Path,
+) -> None:
+    """Serve HTTPS on ``address`` until cancelled."""
+    tls = ReloadingTLS(cert, key)
+    runner = web.AppRunner(make_app(families, scheduler_name, trusted_users), access_log=None)
+    await runner.setup()
+    host, _, port = address.rpartition(":")
+    await web.TCPSite(runner, host or "0.0.0.0", int(port), ssl_context=tls.context).start()
+    log.info("admission webhook listening", address=address, scheduler=scheduler_name)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

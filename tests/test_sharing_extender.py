@@ -1,0 +1,198 @@
+"""The extender's HTTP API as kube-scheduler calls it (extender/v1 JSON), over an in-memory cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from kxpu.sharing import inventory as inv
+from kxpu.sharing import signing
+from kxpu.sharing.extender import make_app
+from kxpu.sharing.requests import ResourceFamily
+from kxpu.sharing.scheduler import Scheduler
+from kxpu.sharing.state import ClusterState
+from kxpu.testing.sharing import FakeCluster, inventory, pod
+
+GPU = ResourceFamily.derived("nvidia.com/gpu")
+NODES = ["idle", "busy", "small", "bare"]
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[tuple[TestClient[Any, Any], Scheduler, FakeCluster]]:
+    cluster = FakeCluster()
+    state = ClusterState(["nvidia.com/gpu"])
+    key = inv.annotation_key("nvidia.com/gpu")
+    state.set_node("idle", {key: inv.encode(inventory(count=2))})
+    state.set_node("busy", {key: inv.encode(inventory(count=2))})
+    state.set_node("small", {key: inv.encode(inventory(count=1, memory_mib=2000))})
+    state.set_node("bare", {})
+    scheduler = Scheduler(state, [GPU], keys=lambda: cluster.keyring, api=cluster)
+    # make "busy" busy
+    cluster.add_pod(pod("filler", [{"nvidia.com/gpumem": 8000, "nvidia.com/gpucores": 50}]))
+    assert await scheduler.bind("default", "filler", "uid-default-filler", "busy") == ""
+    await cluster.release_lock("busy", "nvidia.com/gpu", _ref("filler"))
+    ready = {"synced": False}
+    client = TestClient(TestServer(make_app(scheduler, lambda: ready["synced"])))
+    await client.start_server()
+    ready["synced"] = True
+    yield client, scheduler, cluster
+    await client.close()
+
+
+def _ref(name: str) -> Any:
+    from kxpu.sharing.scheduler import PodRef
+
+    return PodRef("default", name, f"uid-default-{name}")
+
+
+async def test_filter_returns_every_fitting_node_and_says_why_others_fail(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    client, _, _ = setup
+    p = pod("p", [{"nvidia.com/gpumem": 4000, "nvidia.com/gpucores": 30}])
+    response = await client.post("/filter", json={"Pod": p, "NodeNames": [*NODES, "unknown"]})
+    assert response.status == 200
+    body = await response.json()
+    assert body["NodeNames"] == ["idle", "busy"]
+    assert "not enough memory" in body["FailedNodes"]["small"]
+    assert set(body["FailedAndUnresolvableNodes"]) == {"bare", "unknown"}
+    assert body["Error"] == ""
+
+
+async def test_filter_with_full_node_objects(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    client, _, _ = setup
+    items = [{"metadata": {"name": n, "labels": {"x": n}}} for n in NODES]
+    p = pod("p", [{"nvidia.com/gpumem": 100}])
+    body = await (await client.post("/filter", json={"pod": p, "nodes": {"items": items}})).json()
+    assert [i["metadata"]["name"] for i in body["Nodes"]["items"]] == ["idle", "busy", "small"]
+    assert body["Nodes"]["items"][0]["metadata"]["labels"] == {"x": "idle"}  # objects returned as sent
+
+
+async def test_prioritize_scores_by_policy_and_annotation(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    client, _, _ = setup
+    p = pod("p", [{"nvidia.com/gpumem": 1000}])
+    scores = await (await client.post("/prioritize", json={"Pod": p, "NodeNames": ["idle", "busy"]})).json()
+    by_host = {s["Host"]: s["Score"] for s in scores}
+    assert by_host["busy"] > by_host["idle"]  # binpack by default
+    assert all(0 <= s <= 10 for s in by_host.values())
+    spread = pod("q", [{"nvidia.com/gpumem": 1000}], annotations={"kxpu.io/node-policy": "spread"})
+    scores = await (
+        await client.post("/prioritize", json={"Pod": spread, "NodeNames": ["idle", "busy"]})
+    ).json()
+    by_host = {s["Host"]: s["Score"] for s in scores}
+    assert by_host["idle"] > by_host["busy"]
+
+
+async def test_pods_not_asking_for_shared_devices_pass_untouched(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    client, _, _ = setup
+    p = pod("plain", [{"cpu": 1}])
+    body = await (await client.post("/filter", json={"Pod": p, "NodeNames": NODES})).json()
+    assert body["NodeNames"] == NODES
+    scores = await (await client.post("/prioritize", json={"Pod": p, "NodeNames": NODES})).json()
+    assert {s["Score"] for s in scores} == {0}
+
+
+async def test_impossible_requests_fail_every_node(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    client, _, _ = setup
+    p = pod("p", [{"nvidia.com/gpu": 1, "nvidia.com/gpucores": 300}])
+    body = await (await client.post("/filter", json={"Pod": p, "NodeNames": NODES})).json()
+    assert body["NodeNames"] == [] and all("0-100" in r for r in body["FailedAndUnresolvableNodes"].values())
+
+
+async def test_bind_writes_a_signed_assignment_and_binds(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    client, _, cluster = setup
+    cluster.add_pod(pod("p", [{"nvidia.com/gpumem": 1000}]))
+    args = {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-default-p", "Node": "idle"}
+    body = await (await client.post("/bind", json=args)).json()
+    assert body == {"Error": ""}
+    stored = cluster.pods[("default", "p")]
+    assert stored["spec"]["nodeName"] == "idle"
+    annotations = stored["metadata"]["annotations"]
+    assignment = signing.verify(
+        annotations[signing.ASSIGNMENT_ANNOTATION],
+        annotations[signing.SIGNATURE_ANNOTATION],
+        cluster.keyring,
+        pod_uid="uid-default-p",
+        namespace="default",
+        name="p",
+        node="idle",
+        now=assignment_time(annotations),
+        max_age_s=60,
+    )
+    assert assignment.containers[0].devices[0].memory_mib == 1000
+    wrong_uid = dict(args, PodUID="other")
+    body = await (await client.post("/bind", json=wrong_uid)).json()
+    assert "replaced" in body["Error"]
+
+
+def assignment_time(annotations: dict[str, str]) -> float:
+    return float(signing.decode_assignment(annotations[signing.ASSIGNMENT_ANNOTATION]).issued_at)
+
+
+async def test_bad_requests_and_probes(setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster]) -> None:
+    client, _, _ = setup
+    assert (await client.post("/filter", data=b"{nope")).status == 400
+    assert (await client.get("/healthz")).status == 200
+    assert (await client.get("/readyz")).status == 200
+
+
+async def test_reused_fits_see_binds_between_pods_of_one_shape(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    client, scheduler, cluster = setup
+    limits = [{"nvidia.com/gpumem": 1000, "nvidia.com/gpucores": 60}]
+    for n in range(2):  # the two devices of "idle" take one each; the same shape then no longer fits there
+        p = pod(f"r{n}", limits)
+        body = await (await client.post("/filter", json={"Pod": p, "NodeNames": NODES})).json()
+        assert "idle" in body["NodeNames"]
+        cluster.add_pod(p)
+        assert await scheduler.bind("default", f"r{n}", f"uid-default-r{n}", "idle") == ""
+        await cluster.release_lock("idle", "nvidia.com/gpu", _ref(f"r{n}"))
+    body = await (await client.post("/filter", json={"Pod": pod("r2", limits), "NodeNames": NODES})).json()
+    assert "idle" not in body["NodeNames"]
+    assert "2 not enough cores" in body["FailedNodes"]["idle"]
+
+
+async def test_a_bind_records_what_was_assigned(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    _, scheduler, cluster = setup
+    cluster.add_pod(pod("e", [{"nvidia.com/gpumem": 1234, "nvidia.com/gpucores": 5}]))
+    assert await scheduler.bind("default", "e", "uid-default-e", "idle") == ""
+    (event,) = [e for e in cluster.events if e[0] == "default/e"]
+    assert event[1] == "KxpuAssigned" and "1234 MiB, 5% cores" in event[2]
+
+
+async def test_concurrent_binds_never_overcommit(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    _, scheduler, cluster = setup
+
+    async def no_lock(node: str, resource: str, pod: Any) -> None:  # lock semantics aside: only the decision
+        return None
+
+    cluster.acquire_lock = no_lock  # type: ignore[method-assign]
+    names = [f"c{n}" for n in range(12)]
+    for name in names:
+        cluster.add_pod(pod(name, [{"nvidia.com/gpumem": 5000, "nvidia.com/gpucores": 20}]))
+    errors = await asyncio.gather(*(scheduler.bind("default", n, f"uid-default-{n}", "idle") for n in names))
+    bound = [n for n, e in zip(names, errors, strict=True) if e == ""]
+    assert len(bound) == 6  # 2 devices x 16384 MiB hold three 5000 MiB shares each
+    assert all("no longer fits" in e for e in errors if e)
+    node = scheduler.state.node("idle")
+    assert node is not None
+    assert all(s.memory <= s.device.memory_capacity_mib for s in node.families["nvidia.com/gpu"])

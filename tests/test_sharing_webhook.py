@@ -1,0 +1,181 @@
+"""The admission webhook over real TLS (certificates from trustme), as the API server calls it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import trustme
+from aiohttp import web
+
+from kxpu.sharing import webhook
+from kxpu.sharing.requests import ResourceFamily
+from kxpu.testing.sharing import pod
+
+FAMILIES = [
+    ResourceFamily.derived("nvidia.com/gpu"),
+    ResourceFamily.derived("example.com/npu", default_count=2),
+]
+TRUSTED = ["system:serviceaccount:kxpu-system:kxpu-scheduler"]
+
+
+class Server:
+    def __init__(self, url: str, ssl_context: ssl.SSLContext, ca: trustme.CA, cert_dir: Path) -> None:
+        self.url, self.ssl, self.ca, self.cert_dir = url, ssl_context, ca, cert_dir
+
+    async def review(self, path: str, request: dict[str, Any]) -> dict[str, Any]:
+        body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(self.url + path, json=body, ssl=self.ssl) as response,
+        ):
+            assert response.status == 200
+            reply: dict[str, Any] = await response.json()
+        assert reply["response"]["uid"] == request["uid"]
+        answer: dict[str, Any] = reply["response"]
+        return answer
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "kxpu-webhook.kxpu-system.svc")
+    cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    tls = webhook.ReloadingTLS(tmp_path / "tls.crt", tmp_path / "tls.key")
+    runner = web.AppRunner(webhook.make_app(FAMILIES, "kxpu-scheduler", TRUSTED))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls.context)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    yield Server(f"https://127.0.0.1:{port}", client_ctx, ca, tmp_path)
+    await runner.cleanup()
+
+
+def request(
+    obj: dict[str, Any], operation: str = "CREATE", old: dict[str, Any] | None = None, user: str = "alice"
+) -> dict[str, Any]:
+    return {
+        "uid": "req-1",
+        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "operation": operation,
+        "namespace": obj["metadata"]["namespace"],
+        "name": obj["metadata"]["name"],
+        "object": obj,
+        "oldObject": old,
+        "userInfo": {"username": user},
+    }
+
+
+def apply_patch(obj: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    for op in ops:
+        assert op["op"] == "add"
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        target = obj
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        target[last] = op["value"]
+    return obj
+
+
+async def test_mutate_sets_the_scheduler_and_the_missing_count(server: Server) -> None:
+    p = pod("p", [{"nvidia.com/gpumem": 3000}, {"example.com/npucores": 20, "nvidia.com/gpu": 1}, {"cpu": 1}])
+    del p["spec"]["containers"][2]["resources"]
+    response = await server.review("/mutate", request(p))
+    assert response["allowed"] and response["patchType"] == "JSONPatch"
+    patched = apply_patch(p, json.loads(base64.b64decode(response["patch"])))
+    assert patched["spec"]["schedulerName"] == "kxpu-scheduler"
+    limits = [c.get("resources", {}).get("limits", {}) for c in patched["spec"]["containers"]]
+    assert limits[0]["nvidia.com/gpu"] == "1"
+    assert limits[1]["example.com/npu"] == "2" and limits[1]["nvidia.com/gpu"] == "1"
+    assert limits[2] == {}
+
+
+async def test_mutate_leaves_other_pods_and_other_schedulers_alone(server: Server) -> None:
+    response = await server.review("/mutate", request(pod("plain", [{"cpu": 1}])))
+    assert response["allowed"] and "patch" not in response
+    custom = pod("c", [{"nvidia.com/gpu": 1}], schedulerName="my-scheduler")
+    response = await server.review("/mutate", request(custom))
+    assert "patch" not in response
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: pod("a", [{"nvidia.com/gpu": 1}], annotations={"kxpu.io/assignment": "{}"}),
+            "kxpu's own annotations",
+        ),
+        (
+            lambda: pod("b", [{"cpu": 1}], annotations={"kxpu.io/allocated.nvidia.com_gpu": "1"}),
+            "own annotations",
+        ),
+        (lambda: pod("c", [{"nvidia.com/gpu": 1, "nvidia.com/gpucores": 150}]), "0-100"),
+        (lambda: pod("d", [{"nvidia.com/gpu": 1}], node="n1"), "nodeName preset"),
+    ],
+)
+async def test_validate_denies(server: Server, make: Any, message: str) -> None:
+    response = await server.review("/validate", request(make()))
+    assert not response["allowed"]
+    assert message in response["status"]["message"]
+
+
+async def test_validate_denies_privileged_containers_asking_for_shared_devices(server: Server) -> None:
+    p = pod("priv", [{"nvidia.com/gpumem": 10}])
+    p["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    response = await server.review("/validate", request(p))
+    assert not response["allowed"] and "privileged" in response["status"]["message"]
+    plain = pod("priv2", [{"cpu": 1}])
+    plain["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    assert (await server.review("/validate", request(plain)))["allowed"]
+
+
+async def test_only_trusted_users_change_kxpu_annotations(server: Server) -> None:
+    old = pod("p", [{"nvidia.com/gpu": 1}])
+    new = pod("p", [{"nvidia.com/gpu": 1}], annotations={"kxpu.io/assignment": "{}"})
+    denied = await server.review("/validate", request(new, "UPDATE", old))
+    assert not denied["allowed"] and "only the kxpu scheduler" in denied["status"]["message"]
+    allowed = await server.review("/validate", request(new, "UPDATE", old, user=TRUSTED[0]))
+    assert allowed["allowed"]
+    same = await server.review("/validate", request(new, "UPDATE", new))  # unchanged: fine
+    assert same["allowed"]
+    assert (await server.review("/validate", request(pod("ok", [{"nvidia.com/gpumem": 10}]))))["allowed"]
+
+
+async def test_certificates_rotate_without_a_restart(server: Server) -> None:
+    first = await server.review("/validate", request(pod("x", [{"cpu": 1}])))
+    assert first["allowed"]
+    new_ca = trustme.CA()
+    cert = new_ca.issue_cert("127.0.0.1")
+    cert.private_key_pem.write_to_path(str(server.cert_dir / "tls.key"))
+    cert.cert_chain_pems[0].write_to_path(str(server.cert_dir / "tls.crt"))
+    stat = (server.cert_dir / "tls.crt").stat()
+    os.utime(server.cert_dir / "tls.crt", (stat.st_atime, stat.st_mtime + 5))  # a visibly newer file
+    with pytest.raises(aiohttp.ClientConnectorCertificateError):
+        await server.review("/validate", request(pod("y", [{"cpu": 1}])))
+    new_ca.configure_trust(server.ssl)
+    assert (await server.review("/validate", request(pod("z", [{"cpu": 1}]))))["allowed"]
+
+
+def test_cli_commands_refuse_a_bad_control_plane_config(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kxpu.cli import main
+
+    bad = tmp_path / "cp.yaml"
+    bad.write_text(
+        "version: v1\nnodePolicy: random\nfamilies: [{resource: nvidia.com/gpu, defaultCores: 300}]\n"
+    )
+    for args in (["scheduler"], ["webhook", "--tls-cert-file", "c", "--tls-key-file", "k"]):
+        result = CliRunner().invoke(main, [*args, "--config", str(bad)])
+        assert result.exit_code == 2, result.output
+        assert "nodePolicy" in result.output and "families.0.defaultCores" in result.output
