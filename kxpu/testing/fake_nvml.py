@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import tempfile
 import threading
 import uuid as uuidlib
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -616,6 +618,8 @@ class FakeNvml:
                         f"DeviceFileMinor: {mig.ci_cap_minor}\nDeviceFileMode: 292\n"
                     )
             self._host_root = root
+            # Removed when this fake goes away or the process exits, whichever comes first.
+            weakref.finalize(self, shutil.rmtree, root, True)
         return self._host_root
 
     # ------------------------------------------------------------------ cross-process control

@@ -1,0 +1,1 @@
+"""Deployment artefacts (Helm chart, manifests, dashboard); the package holds their tests."""

@@ -1,0 +1,76 @@
+{{/* Names are cut to 63 characters: DNS labels and label values allow no more. */}}
+{{- define "kxpu.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kxpu.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kxpu.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kxpu.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "kxpu.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kxpu.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kxpu.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "kxpu.plugin.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (printf "%s-plugin" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-") .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kxpu.configMapName" -}}
+{{- printf "%s-config" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The node configs as a list of {name, key, config}: "default" (from .Values.config) first, then
+.Values.nodeConfigs by name. Each becomes a ConfigMap key and a DaemonSet. Returned as YAML.
+*/}}
+{{- define "kxpu.nodeConfigs" -}}
+{{- $out := list (dict "name" "default" "key" "config.yaml" "config" .Values.config) }}
+{{- range $name := keys .Values.nodeConfigs | sortAlpha }}
+{{- if or (eq $name "default") (not (regexMatch "^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$" $name)) }}
+{{- fail (printf "nodeConfigs.%s: a name must be lowercase letters, digits and '-', at most 40 characters (it is a label value and part of a DaemonSet name), and not \"default\"" $name) }}
+{{- end }}
+{{- $out = append $out (dict "name" $name "key" (printf "%s.yaml" $name) "config" (get $.Values.nodeConfigs $name)) }}
+{{- end }}
+{{- range $out }}
+{{- $where := ternary "config" (printf "nodeConfigs.%s" .name) (eq .name "default") }}
+{{- if not (kindIs "map" .config) }}
+{{- fail (printf "%s must be a kxpu config mapping (version, resources)" $where) }}
+{{- end }}
+{{- if ne (toString (get .config "version")) "v1" }}
+{{- fail (printf "%s.version must be v1" $where) }}
+{{- end }}
+{{- if not (get .config "resources") }}
+{{- fail (printf "%s.resources must list at least one resource" $where) }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}

@@ -1,0 +1,324 @@
+"""The Helm chart: lint, render with default and override values, and check what a node will actually get."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy.tests.conftest import (
+    CHART,
+    OVERRIDES,
+    REPO,
+    Rendered,
+    chart_values,
+    override_values,
+    template,
+    template_error,
+)
+from kxpu.config import parse_config
+
+NAMESPACED = {"ConfigMap", "DaemonSet", "Service", "ServiceAccount", "ServiceMonitor"}
+HOST_PATHS = {
+    "device-plugins": ("/var/lib/kubelet/device-plugins", "/var/lib/kubelet/device-plugins", "Directory"),
+    "dev": ("/dev", "/dev", "Directory"),
+    "cdi": ("/var/run/cdi", "/var/run/cdi", "DirectoryOrCreate"),
+    "state": ("/run/kxpu", "/run/kxpu", "DirectoryOrCreate"),
+    "pod-resources": (
+        "/var/lib/kubelet/pod-resources",
+        "/var/lib/kubelet/pod-resources",
+        "DirectoryOrCreate",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def default(helm: Path) -> Rendered:
+    return template(helm)
+
+
+@pytest.fixture(scope="module")
+def overrides(helm: Path) -> Rendered:
+    return template(helm, "--values", str(OVERRIDES))
+
+
+def container(ds: dict[str, Any]) -> dict[str, Any]:
+    (only,) = ds["spec"]["template"]["spec"]["containers"]
+    assert isinstance(only, dict)
+    return only
+
+
+def host_paths(ds: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
+    """volume name -> (host path, container path, hostPath type)."""
+    spec = ds["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in container(ds)["volumeMounts"]}
+    return {
+        v["name"]: (v["hostPath"]["path"], mounts[v["name"]], v["hostPath"]["type"])
+        for v in spec["volumes"]
+        if "hostPath" in v
+    }
+
+
+def config_of(rendered: Rendered, ds: dict[str, Any]) -> dict[str, Any]:
+    """The kxpu config file a DaemonSet's pods read: the ConfigMap key mounted as /etc/kxpu/config.yaml."""
+    spec = ds["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "config"]
+    (item,) = volume["configMap"]["items"]
+    assert item["path"] == "config.yaml"
+    assert {"name": "config", "mountPath": "/etc/kxpu", "readOnly": True} in container(ds)["volumeMounts"]
+    cm = rendered.one("ConfigMap", volume["configMap"]["name"])
+    loaded: dict[str, Any] = yaml.safe_load(cm["data"][item["key"]])
+    return loaded
+
+
+@pytest.mark.parametrize("values", [[], ["--values", str(OVERRIDES)]], ids=["default", "overrides"])
+def test_helm_lint(helm: Path, values: list[str]) -> None:
+    proc = subprocess.run(
+        [str(helm), "lint", "--strict", str(CHART), *values], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_default_objects(default: Rendered) -> None:
+    kinds = sorted(d["kind"] for d in default.docs)
+    assert kinds == ["ConfigMap", "DaemonSet", "Service", "ServiceAccount"]
+    for doc in default.docs:
+        assert doc["metadata"]["namespace"] == "kxpu-system", doc["metadata"]["name"]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "kxpu"
+
+
+def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
+    ds = default.one("DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    c = container(ds)
+    assert c["image"] == "localhost/kxpu:0.1.0"
+    assert c["args"][:2] == ["plugin", "--config=/etc/kxpu/config.yaml"]
+    assert {"--http-address=:9400", "--log-format=json", "--log-level=info"} <= set(c["args"])
+    assert "--device-plugin-dir=/var/lib/kubelet/device-plugins" in c["args"]
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert {"operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert host_paths(ds) == HOST_PATHS
+    # The runtime cannot create /dev/termination-log in the host's read-only /dev.
+    assert c["terminationMessagePath"].startswith("/tmp/")
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert pod["automountServiceAccountToken"] is False
+    sc = c["securityContext"]
+    assert sc["privileged"] is True and sc["runAsUser"] == 0 and sc["readOnlyRootFilesystem"] is True
+    # One DaemonSet, so it runs on every node: no node-config affinity.
+    assert "affinity" not in pod
+
+
+def test_config_is_the_values_config(default: Rendered) -> None:
+    ds = default.one("DaemonSet")
+    config = config_of(default, ds)
+    assert config == chart_values()["config"]
+    parse_config(config, "values.yaml config")  # what kxpu would load: valid, not just YAML
+
+
+def test_no_rbac_by_default(default: Rendered) -> None:
+    assert not default.kinds("ClusterRole") and not default.kinds("Role")
+    assert default.one("ServiceAccount")["automountServiceAccountToken"] is False
+
+
+def test_headless_metrics_service(default: Rendered) -> None:
+    svc = default.one("Service")
+    ds = default.one("DaemonSet")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["ports"] == [
+        {"name": "metrics", "port": 9400, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+
+
+# -- overrides ------------------------------------------------------------------------------------------------
+def daemonsets_by_config(rendered: Rendered) -> dict[str, dict[str, Any]]:
+    return {ds["metadata"]["labels"]["kxpu.io/node-config"]: ds for ds in rendered.kinds("DaemonSet")}
+
+
+def test_one_daemonset_per_node_config(overrides: Rendered) -> None:
+    by_config = daemonsets_by_config(overrides)
+    assert sorted(by_config) == ["big-npu", "default", "fpga-nodes"]
+    assert by_config["fpga-nodes"]["metadata"]["name"] == "kxpu-plugin-fpga-nodes"
+    selectors = [tuple(sorted(ds["spec"]["selector"]["matchLabels"].items())) for ds in by_config.values()]
+    assert len(set(selectors)) == 3, "DaemonSet selectors must not overlap"
+    for ds in by_config.values():
+        assert (
+            ds["spec"]["selector"]["matchLabels"].items()
+            <= ds["spec"]["template"]["metadata"]["labels"].items()
+        )
+    values = override_values()
+    expected = {"default": values["config"], **values["nodeConfigs"]}
+    for name, ds in by_config.items():
+        assert config_of(overrides, ds) == expected[name]
+        parse_config(config_of(overrides, ds), name)
+    checksums = {
+        ds["spec"]["template"]["metadata"]["annotations"]["checksum/config"] for ds in by_config.values()
+    }
+    assert len(checksums) == 3
+
+
+def test_node_config_affinity_keeps_user_terms(overrides: Rendered) -> None:
+    by_config = daemonsets_by_config(overrides)
+    user_terms = override_values()["plugin"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    wanted = {
+        "default": {"key": "kxpu.io/config", "operator": "NotIn", "values": ["big-npu", "fpga-nodes"]},
+        "fpga-nodes": {"key": "kxpu.io/config", "operator": "In", "values": ["fpga-nodes"]},
+        "big-npu": {"key": "kxpu.io/config", "operator": "In", "values": ["big-npu"]},
+    }
+    for name, ds in by_config.items():
+        pod = ds["spec"]["template"]["spec"]
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        # Terms are ORed, expressions ANDed: the config expression joins every term the user wrote.
+        assert terms == [{"matchExpressions": [*t["matchExpressions"], wanted[name]]} for t in user_terms]
+        assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+
+
+def test_node_config_affinity_without_user_affinity(helm: Path) -> None:
+    rendered = template(helm, *node_config("a"))
+    by_config = daemonsets_by_config(rendered)
+    for name, op in (("default", "NotIn"), ("a", "In")):
+        affinity = by_config[name]["spec"]["template"]["spec"]["affinity"]
+        assert affinity == {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "kxpu.io/config", "operator": op, "values": ["a"]}]}
+                    ]
+                }
+            }
+        }
+
+
+def test_override_pod_settings(overrides: Rendered) -> None:
+    ds = daemonsets_by_config(overrides)["default"]
+    pod = ds["spec"]["template"]["spec"]
+    c = container(ds)
+    assert c["image"] == "registry.example.com/kxpu@sha256:" + "0123456789abcdef" * 4
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert c["args"][-1] == "--import=acme_npu" and "--log-level=debug" in c["args"]
+    assert "--http-address=:9500" in c["args"] and c["ports"][0]["containerPort"] == 9500
+    # The host's kubelet directory moved; inside the container the daemon still finds it at the standard path.
+    paths = host_paths(ds)
+    assert paths["device-plugins"] == (
+        "/var/lib/k0s/kubelet/device-plugins",
+        "/var/lib/kubelet/device-plugins",
+        "Directory",
+    )
+    assert "pod-resources" not in paths
+    assert c["securityContext"] == {
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "runAsNonRoot": False,
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert {"name": "PYTHONPATH", "value": "/opt/acme"} in c["env"]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c["env"]
+    assert ds["spec"]["template"]["metadata"]["annotations"]["example.com/team"] == "accel"
+    assert pod["automountServiceAccountToken"] is True
+
+
+def test_node_label_rbac_is_minimal(overrides: Rendered) -> None:
+    role = overrides.one("ClusterRole")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    binding = overrides.one("ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    sa = overrides.one("ServiceAccount")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "kxpu-system"}
+    ]
+    for ds in overrides.kinds("DaemonSet"):
+        assert ds["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def test_no_wildcards_in_any_role(default: Rendered, overrides: Rendered) -> None:
+    for rendered in (default, overrides):
+        for role in rendered.kinds("ClusterRole") + rendered.kinds("Role"):
+            for rule in role["rules"]:
+                for field in ("apiGroups", "resources", "verbs"):
+                    assert "*" not in rule[field], (role["metadata"]["name"], rule)
+                assert set(rule["verbs"]) <= {"get", "list", "watch", "patch"}, rule
+
+
+def test_service_monitor(overrides: Rendered) -> None:
+    sm = overrides.one("ServiceMonitor")
+    svc = overrides.one("Service")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint[
+        "relabelings"
+    ]
+    assert svc["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+
+
+def test_namespaced_objects_carry_the_namespace(overrides: Rendered) -> None:
+    for doc in overrides.docs:
+        if doc["kind"] in NAMESPACED:
+            assert doc["metadata"]["namespace"] == "kxpu-system", doc["metadata"]["name"]
+
+
+def node_config(name: str, resources: str = '[{"name":"a.io/b","simulated":{}}]') -> list[str]:
+    return ["--set-json", f'nodeConfigs={{"{name}":{{"version":"v1","resources":{resources}}}}}']
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (node_config("default"), 'not "default"'),
+        (node_config("Bad_Name"), "nodeConfigs.Bad_Name"),
+        (node_config("a", "[]"), "nodeConfigs.a.resources"),
+        (["--set-json", "config.resources=[]"], "config.resources must list"),
+        (["--set", "config.version=v2"], "config.version must be v1"),
+        (["--set", "serviceMonitor.enabled=true", "--set", "service.enabled=false"], "needs service.enabled"),
+    ],
+    ids=[
+        "reserved-name",
+        "bad-name",
+        "empty-node-config",
+        "empty-config",
+        "bad-version",
+        "monitor-without-service",
+    ],
+)
+def test_bad_values_are_refused(helm: Path, args: list[str], message: str) -> None:
+    assert message in template_error(helm, *args)
+
+
+def test_plain_manifests_are_current(helm: Path) -> None:
+    proc = subprocess.run(
+        ["bash", str(REPO / "hack" / "helm" / "manifests.sh"), "--check"],
+        capture_output=True,
+        text=True,
+        env={"KXPU_HELM": str(helm), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_plain_manifests_have_no_helm_labels() -> None:
+    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "manifests" / "kxpu.yaml").read_text()) if d]
+    assert docs[0]["kind"] == "Namespace"
+    for doc in docs:
+        labels = doc["metadata"].get("labels", {})
+        assert "helm.sh/chart" not in labels and "app.kubernetes.io/managed-by" not in labels

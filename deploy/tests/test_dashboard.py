@@ -1,0 +1,166 @@
+"""The Grafana dashboard asks only for series kxpu exports, with labels they have, and shows every kxpu metric.
+
+The names come from the PromQL of every panel and template variable; what kxpu exports comes from the
+prometheus-client registry after importing kxpu.daemon.metrics (its metrics plus the process collector's),
+with the series each metric type produces: a counter ``x`` is queried as ``x_total``, a histogram ``x`` as
+``x_bucket``, ``x_sum`` and ``x_count`` (never bare).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.metrics import MetricWrapperBase
+
+from kxpu.daemon import metrics
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "grafana" / "kxpu-node.json"
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "info": ("_info",),
+    "unknown": ("",),
+}
+# Labels Prometheus attaches to every scraped series (the chart's ServiceMonitor adds `node`), and `le`.
+TARGET_LABELS = {"node", "instance", "job", "namespace", "pod", "service", "endpoint", "container"}
+KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+}
+
+
+def load() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def panels(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for item in items:
+        yield item
+        yield from panels(item.get("panels", []))  # collapsed rows keep their panels inside
+
+
+def expressions(dashboard: dict[str, Any]) -> list[str]:
+    exprs = [t["expr"] for p in panels(dashboard["panels"]) for t in p.get("targets", []) if t.get("expr")]
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+            # Grafana's label_values(selector, label): the selector is PromQL, the label is not.
+            found = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", query)
+            exprs.append(found.group(1) if found else query)
+    return exprs
+
+
+def selectors(expr: str) -> list[tuple[str, set[str]]]:
+    """(metric name, label names it is filtered on) for each series selector in a PromQL expression."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals (label values, $variables)
+    text = re.sub(r"\[[^\]]*\]", "", text)  # range and subquery durations
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)  # label lists
+    found = []
+    for match in re.finditer(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*(\{[^}]*\})?(\s*\()?", text):
+        name, matchers, call = match.groups()
+        if call or name in KEYWORDS:
+            continue  # a function or aggregation, or an operator
+        labels = set(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", matchers or ""))
+        found.append((name, labels))
+    return found
+
+
+def exported() -> dict[str, tuple[str, str]]:
+    """Every series name kxpu's /metrics can have -> (metric family, type)."""
+    series = {}
+    for family in REGISTRY.collect():
+        for suffix in SUFFIXES[family.type]:
+            series[family.name + suffix] = (family.name, family.type)
+    return series
+
+
+def label_names() -> dict[str, set[str]]:
+    """kxpu metric family -> its label names (the wrappers keep them in ``_labelnames``)."""
+    out = {}
+    for obj in vars(metrics).values():
+        if isinstance(obj, MetricWrapperBase):
+            out[obj._name] = set(obj._labelnames)
+    return out
+
+
+def test_metric_names_match_the_registry() -> None:
+    kxpu_families = {f.name for f in REGISTRY.collect() if f.name.startswith("kxpu_")}
+    assert kxpu_families == set(metrics.METRIC_NAMES)
+
+
+def test_dashboard_queries_only_exported_series() -> None:
+    series = exported()
+    used = [(expr, name) for expr in expressions(load()) for name, _ in selectors(expr)]
+    assert used, "no PromQL found in the dashboard"
+    unknown = sorted({f"{name}  (in: {expr})" for expr, name in used if name not in series})
+    assert not unknown, "series kxpu does not export:\n" + "\n".join(unknown)
+    kxpu_bases = {series[name][0] for _, name in used if name.startswith("kxpu_")}
+    assert kxpu_bases <= metrics.METRIC_NAMES
+
+
+def test_dashboard_filters_on_labels_the_metrics_have() -> None:
+    labels = label_names()
+    series = exported()
+    for expr in expressions(load()):
+        for name, used in selectors(expr):
+            if name not in series:
+                continue  # reported by test_dashboard_queries_only_exported_series
+            family, kind = series[name]
+            if family not in labels:
+                continue  # process_* metrics: only target labels are used on them
+            allowed = labels[family] | TARGET_LABELS | ({"le"} if kind == "histogram" else set())
+            assert used <= allowed, f"{name} has no label(s) {sorted(used - allowed)}: {expr}"
+
+
+def test_every_kxpu_metric_is_on_the_dashboard() -> None:
+    series = exported()
+    shown = {series[name][0] for expr in expressions(load()) for name, _ in selectors(expr) if name in series}
+    assert set(metrics.METRIC_NAMES) - shown == set()
+
+
+def test_dashboard_is_importable() -> None:
+    dashboard = load()
+    assert dashboard["uid"] == "kxpu-node" and dashboard["title"]
+    ids = [p["id"] for p in panels(dashboard["panels"])]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in panels(dashboard["panels"]):
+        if panel["type"] != "row":
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+            assert panel["targets"], panel["title"]
+
+
+@pytest.mark.parametrize(
+    ("expr", "expected"),
+    [
+        ('sum by (le, resource) (rate(a_bucket{x="1"}[5m]))', [("a_bucket", {"x"})]),
+        (
+            'process_rss and on (instance) b_total{node=~"$node"}',
+            [("process_rss", set()), ("b_total", {"node"})],
+        ),
+        ('count(c{d="e"} == 0) or vector(0)', [("c", {"d"})]),
+        (
+            'histogram_quantile(0.99, sum without (pod) (rate(h_bucket{s!~"a|b"}[$__rate_interval])))',
+            [("h_bucket", {"s"})],
+        ),
+    ],
+)
+def test_selector_parser(expr: str, expected: list[tuple[str, set[str]]]) -> None:
+    assert selectors(expr) == expected
