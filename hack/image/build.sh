@@ -17,7 +17,7 @@
 # env:   KXPU_IMAGE_REF (default localhost/kxpu:<version from pyproject.toml>), KXPU_IMAGE_OUT,
 #        SOURCE_DATE_EPOCH (the image's "created" time; default: the last commit that touched kxpu's sources,
 #        so unrelated commits reuse the cached image)
-# needs: root, mmdebstrap, umoci (apt-get install mmdebstrap umoci), python3 >= 3.11.
+# needs: root (installs mmdebstrap and umoci with apt-get if missing), python3 >= 3.11.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -61,9 +61,14 @@ case ${1:-build} in
   *) echo "usage: $0 [build|ref]" >&2; exit 2 ;;
 esac
 ((EUID == 0)) || { log "needs root (mmdebstrap and chroot)"; exit 1; }
-for tool in mmdebstrap umoci; do
-  command -v "$tool" >/dev/null || { log "$tool missing: apt-get install mmdebstrap umoci"; exit 1; }
-done
+missing=()
+for tool in mmdebstrap umoci; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+if ((${#missing[@]})); then
+  # A fresh machine (CI) has neither: install them, as the cluster build does its packages.
+  log "apt-get install ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
 "$PY" "$HERE/lock.py" --check
 
 BASE_KEY=$(digest <"$HERE/build.sh")
