@@ -1,6 +1,7 @@
-"""Device backends. Importing this package registers the built-in ones."""
+"""Device backends. Importing this package registers the light built-in ones; `nvidia` loads on
+first use of its key (see registry._LAZY_BUILTINS)."""
 
-from kxpu.backends import generic, nvidia, simulated
+from kxpu.backends import generic, simulated
 from kxpu.backends.registry import BackendConfig, import_backend_module, lookup, register_backend
 
 __all__ = [
@@ -8,7 +9,6 @@ __all__ = [
     "generic",
     "import_backend_module",
     "lookup",
-    "nvidia",
     "register_backend",
     "simulated",
 ]

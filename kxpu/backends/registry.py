@@ -77,7 +77,14 @@ def import_backend_module(module: str) -> None:
     importlib.import_module(module)
 
 
+# Built-in backends heavy enough (big config models, vendor libraries) to import only when a config
+# names them: every node daemon pays for what it loads.
+_LAZY_BUILTINS = {"nvidia": "kxpu.backends.nvidia"}
+
+
 def lookup(key: str) -> BackendSpec | None:
+    if key not in _registry and key in _LAZY_BUILTINS:
+        importlib.import_module(_LAZY_BUILTINS[key])
     if key not in _registry:
         _load_entry_points()
     return _registry.get(key)
@@ -85,7 +92,7 @@ def lookup(key: str) -> BackendSpec | None:
 
 def known_keys() -> list[str]:
     _load_entry_points()
-    return sorted(_registry)
+    return sorted(set(_registry) | set(_LAZY_BUILTINS))
 
 
 def build_backend(key: str, section: BackendConfig) -> Backend:
