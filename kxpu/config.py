@@ -152,6 +152,10 @@ class Config(_Model):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"resource names must be unique; repeated: {', '.join(duplicates)}")
+        kinds = [r.cdi_kind for r in value if r.cdi.enabled]
+        shared = sorted({k for k in kinds if kinds.count(k) > 1})
+        if shared:  # each would overwrite the other's spec file
+            raise ValueError(f"CDI kinds must be unique across resources; repeated: {', '.join(shared)}")
         return value
 
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from asyncinotify import Inotify, Mask
+
+from kxpu.logs import get_logger
+
+log = get_logger("kxpu.fswatch")
 
 _DIR_EVENTS = (
     Mask.CREATE
@@ -41,33 +46,52 @@ async def directory_changes(
     read and the watch is missed.
     """
     with Inotify() as inotify:
-        watched: set[Path] = set()
+        watched: dict[Path, int] = {}  # directory → inode it had when watched
+
+        def forget(event_watch_path: Path | None) -> None:
+            if event_watch_path is not None:
+                watched.pop(event_watch_path, None)
 
         def refresh_watches() -> None:
+            # A directory removed and made again is a new inode: watch it anew even if its IGNORED
+            # event was lost in a burst.
+            for path, inode in list(watched.items()):
+                try:
+                    if os.stat(path).st_ino != inode:
+                        del watched[path]
+                except OSError:
+                    del watched[path]
             for directory in directories():
                 target = nearest_existing_dir(directory)
-                if target not in watched:
-                    try:
-                        inotify.add_watch(target, _DIR_EVENTS)
-                        watched.add(target)
-                    except OSError:
-                        pass  # raced with removal: the parent's watch will tell us again
+                if target in watched:
+                    continue
+                try:
+                    inotify.add_watch(target, _DIR_EVENTS)
+                    watched[target] = os.stat(target).st_ino
+                except FileNotFoundError:
+                    pass  # raced with removal: the parent's watch will tell us again
+                except OSError as exc:  # ENOSPC: the node's max_user_watches is exhausted
+                    log.warning("cannot watch directory", path=str(target), error=str(exc))
 
         refresh_watches()
         yield
         events = aiter(inotify)
         while True:
             event = await anext(events)
-            if not _is_relevant(event.path, event.mask, relevant):
-                continue
+            wake = _is_relevant(event.path, event.mask, relevant)
+            if event.mask & Mask.IGNORED:
+                forget(Path(str(event.watch.path)) if event.watch else None)
             # Drain the rest of the burst before waking the caller.
             while True:
                 try:
-                    await asyncio.wait_for(anext(events), COALESCE_SECONDS)
+                    more = await asyncio.wait_for(anext(events), COALESCE_SECONDS)
                 except TimeoutError:
                     break
-            if event.mask & Mask.IGNORED:
-                watched.discard(Path(str(event.watch.path)) if event.watch else Path("/"))
+                wake = wake or _is_relevant(more.path, more.mask, relevant)
+                if more.mask & Mask.IGNORED:
+                    forget(Path(str(more.watch.path)) if more.watch else None)
+            if not wake:
+                continue
             refresh_watches()
             yield
 

@@ -159,7 +159,7 @@ def test_annotation_keys_are_valid_kubernetes_annotation_names() -> None:
 def test_write_spec_is_atomic_json_named_after_the_kind(tmp_path: Path) -> None:
     spec = build_spec("example.com/npu", [("npu0", ContainerEdits(env={"A": "1"}))])
     path = write_spec(tmp_path / "cdi", spec)
-    assert path.name == "kxpu-example.com-npu.json"
+    assert path.name == "kxpu-example.com-npu.json"  # the CDI spec file, not the socket
     assert json.loads(path.read_text()) == spec
     assert oct(path.stat().st_mode & 0o777) == "0o644"
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind

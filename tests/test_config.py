@@ -169,3 +169,16 @@ def test_cli_refuses_socket_paths_longer_than_unix_allows(tmp_path: Path) -> Non
     result = run_cli("plugin", "--config", str(path))
     assert result.returncode == 2
     assert "unix sockets allow 107" in result.stderr
+
+
+def test_cdi_kinds_must_be_unique() -> None:
+    both = [
+        {
+            "name": f"example.com/{n}",
+            "simulated": {"count": 1},
+            "cdi": {"enabled": True, "kind": "example.com/x"},
+        }
+        for n in ("a", "b")
+    ]
+    with pytest.raises(ConfigError, match=r"CDI kinds must be unique.*example\.com/x"):
+        parse_config({"version": "v1", "resources": both})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -158,7 +159,9 @@ async def test_kubelet_restart_re_registers_within_a_second(
         restarted = asyncio.get_running_loop().time()
         await kubelet.wait_registered(NPU, times=round_, timeout=5)
         await kubelet.wait_registered("example.com/vpu", times=round_, timeout=5)
-        assert asyncio.get_running_loop().time() - restarted < 1.0
+        # The 1 s target is measured by bench/bench_daemon.py; here only a loose bound, so a loaded
+        # CI machine cannot make it flaky.
+        assert asyncio.get_running_loop().time() - restarted < 3.0
         assert kubelet.view(NPU).allocatable == 4
         response = await kubelet.allocate(NPU, ["sim-npu-0"])
         assert response.container_responses[0].envs["KXPU_VISIBLE_DEVICES"] == "sim-npu-0"
@@ -308,3 +311,41 @@ async def test_generic_devices_hot_plug(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await kubelet.allocate(FPGA, ["fpga0"])
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_socket_names_are_one_to_one() -> None:
+    # A resource domain cannot contain "_", so these two can never share a socket.
+    assert socket_name("a.com/b-c") != socket_name("a.com-b/c")
+    assert socket_name(NPU) == "kxpu-example.com_npu.sock"
+
+
+async def test_plugin_dir_removed_and_recreated(
+    kubelet: KubeletStandIn, write_config: Callable[..., Path], daemons: Callable[..., Any], plugin_dir: Path
+) -> None:
+    await daemons(write_config([simulated()]))
+    await kubelet.wait_registered(NPU)
+    await kubelet.stop()
+    shutil.rmtree(plugin_dir)
+    plugin_dir.mkdir()
+    await kubelet.start()  # only inotify can make this fast: the safety-net resync is 30 s away
+    await kubelet.wait_registered(NPU, times=2, timeout=5)
+    assert kubelet.view(NPU).allocatable == 4
+
+
+async def test_a_second_daemon_stands_by_and_takes_over(
+    kubelet: KubeletStandIn, write_config: Callable[..., Path], daemons: Callable[..., Any], plugin_dir: Path
+) -> None:
+    config = write_config([simulated()])
+    first = await daemons(config)
+    await kubelet.wait_registered(NPU)
+    second = await daemons(config)
+    await wait_until(lambda: "standing by" in second.log_text(), what="the second daemon to stand by")
+    status, body = await second.http_get("/readyz")
+    assert status == 503 and json.loads(body)["resources"] == {NPU: "standby"}
+    assert sum(r == NPU for _, r in kubelet.registrations) == 1  # no fight over the socket
+
+    assert await first.stop() == 0  # a rolling update: the old pod goes, the new one takes over
+    await kubelet.wait_registered(NPU, times=2, timeout=5)
+    await wait_until(lambda: socket_name(NPU) in sockets_in(plugin_dir), what="the socket served again")
+    assert (await kubelet.allocate(NPU, ["sim-npu-2"])).container_responses
+    assert (await second.http_get("/readyz"))[0] == 200

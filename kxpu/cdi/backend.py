@@ -2,7 +2,7 @@
 
 The daemon stays vendor- and CDI-agnostic: the CLI wraps a resource's backend when its
 config says ``cdi: {enabled: true}``. Every device list the backend reports rewrites the
-spec (atomically, and only when its content changes); ``close()`` removes it. Allocate
+spec (atomically, and only when its content changes); it outlives the daemon. Allocate
 then names the devices (``<kind>=<id>`` in ``cdi_devices``, optionally in a
 ``cdi.k8s.io/`` annotation) and the runtime injects their device nodes and mounts.
 
@@ -160,11 +160,11 @@ class CdiBackend(Backend):
         return out
 
     def close(self) -> None:
-        try:
-            if isinstance(self.inner, Closable):
-                self.inner.close()
-        finally:
-            self._remove_spec()
+        """Close the inner backend but keep the spec: the kubelet re-injects the checkpointed CDI names
+        when a container restarts, also while the daemon is down or being upgraded, and those must
+        still resolve. The next run rewrites the spec from discovery; vanished devices drop out then."""
+        if isinstance(self.inner, Closable):
+            self.inner.close()
 
 
 class _Preferred:

@@ -11,6 +11,7 @@ from typing import Any
 
 from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
+from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.http import HealthServer
 from kxpu.daemon.registration import file_identity
 from kxpu.daemon.resource import BackendFactory, Phase, ResourceRunner, check_socket_paths
@@ -19,6 +20,8 @@ from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 
 log = get_logger("kxpu.daemon")
+
+RESYNC_SECONDS = 30.0
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Daemon:
         self._running: dict[str, _Running] = {}
         self._stop = asyncio.Event()
         self._reload_lock = asyncio.Lock()
+        self._watcher: asyncio.Task[None] | None = None
 
     @property
     def runners(self) -> list[ResourceRunner]:
@@ -68,13 +72,16 @@ class Daemon:
             )
             for resource in self.config.resources:
                 self._start(resource)
-            watcher = asyncio.create_task(self._watch_plugin_dir())
+            self._watcher = asyncio.create_task(self._watch_plugin_dir())
+            resync = asyncio.create_task(self._resync())
             await self._stop.wait()
             log.info("stopping")
-            watcher.cancel()
+            for task in (self._watcher, resync):
+                task.cancel()
             await self._stop_all(list(self._running))
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for task in (self._watcher, resync):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         finally:
             if http is not None:
                 http.stop()
@@ -129,7 +136,33 @@ class Daemon:
             }
         return {"devicePluginDir": str(self.config.device_plugin_dir), "resources": resources}
 
+    def _poke_all(self) -> None:
+        for running in self._running.values():
+            running.runner.poke()
+
+    async def _resync(self) -> None:
+        """A safety net under inotify (a lost watch, an exhausted inotify limit): every resource
+        re-checks its socket and registration now and then; each check is two stat calls."""
+        while True:
+            await asyncio.sleep(RESYNC_SECONDS)
+            self._poke_all()
+
     async def _watch_plugin_dir(self) -> None:
+        """Poke every resource on any change in the device-plugin directory; survive watch failures."""
+        backoff = Backoff(initial=1.0, maximum=30.0)
+        while True:
+            try:
+                await self._follow_plugin_dir()
+            except Exception as exc:  # e.g. EMFILE: the node's inotify instances are exhausted
+                delay = backoff.next_delay()
+                log.error(
+                    "cannot watch the device-plugin directory; retrying (resync continues meanwhile)",
+                    error=f"{type(exc).__name__}: {exc}",
+                    retry_in_s=delay,
+                )
+                await asyncio.sleep(delay)
+
+    async def _follow_plugin_dir(self) -> None:
         directory = self.config.device_plugin_dir
         last_kubelet = file_identity(directory / KUBELET_SOCKET)
         async for _ in directory_changes(lambda: [directory], lambda path: path.parent == directory):
@@ -139,8 +172,7 @@ class Daemon:
                     metrics.KUBELET_RESTARTS.inc()
                 log.info("kubelet socket created", restart=last_kubelet is not None)
                 last_kubelet = now
-            for running in self._running.values():
-                running.runner.poke()
+            self._poke_all()
 
     async def reload(self) -> None:
         """Apply a changed config; resources whose config did not change keep serving without a gap."""
@@ -160,6 +192,12 @@ class Daemon:
                 log.info("device-plugin directory changed; restarting every resource")
                 await self._stop_all(list(self._running))
                 self.config = new
+                new.device_plugin_dir.mkdir(parents=True, exist_ok=True)
+                if self._watcher is not None:  # watch the new directory, not the old one
+                    self._watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._watcher
+                    self._watcher = asyncio.create_task(self._watch_plugin_dir())
                 for resource in new.resources:
                     self._start(resource)
                 return

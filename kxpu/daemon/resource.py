@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,13 +37,28 @@ class Phase(enum.StrEnum):
     STARTING = "starting"
     WAITING_FOR_KUBELET = "waiting-for-kubelet"
     REGISTERED = "registered"
+    STANDBY = "standby"  # another live process serves this resource's socket
     FAILED = "failed"
     STOPPED = "stopped"
 
 
 def socket_name(resource: str) -> str:
-    """``example.com/npu`` → ``kxpu-example.com-npu.sock`` (one socket per resource)."""
-    return "kxpu-" + resource.replace("/", "-") + ".sock"
+    """``example.com/npu`` → ``kxpu-example.com_npu.sock``: one socket per resource, and one resource
+    per socket, since a domain cannot contain ``_`` (``a.com/b-c`` and ``a.com-b/c`` stay apart)."""
+    return "kxpu-" + resource.replace("/", "_", 1) + ".sock"
+
+
+def _live_socket(path: Path) -> bool:
+    """Someone accepts connections there (a stale file from a killed process refuses them)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(str(path))
+        except BlockingIOError:
+            return True  # backlog full: alive, just busy
+        except OSError:
+            return False
+        return True
 
 
 # sockaddr_un holds 108 bytes including the terminating NUL.
@@ -70,6 +87,7 @@ class ResourceRunner:
         self.registrations = 0
         self.snapshot = DeviceSnapshot()
         self._poked = asyncio.Event()
+        self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
         self.log = log.bind(resource=config.name)
 
     def poke(self) -> None:
@@ -81,12 +99,15 @@ class ResourceRunner:
         backoff = Backoff(initial=0.5, maximum=30.0)
         try:
             while True:
+                registered_before = self.registrations
                 try:
                     await self._run_once()
                     return
                 except Exception as exc:
                     self.phase = Phase.FAILED
                     metrics.RESOURCE_FAILURES.labels(self.config.name).inc()
+                    if self.registrations > registered_before:
+                        backoff.reset()  # it worked for a while: a new failure starts the backoff over
                     delay = backoff.next_delay()
                     self.log.error(
                         "resource failed; retrying",
@@ -128,10 +149,10 @@ class ResourceRunner:
         self.log.debug("backend stopped watching; the device list is static from now on")
 
     async def _update(self, devices: list[Device]) -> bool:
-        previous = self.snapshot.devices
         changed = await self.snapshot.update(devices)
         if changed:
-            metrics.observe_devices(self.config.name, devices, previous)
+            metrics.observe_devices(self.config.name, devices, self._reported)
+            self._reported = dict(self.snapshot.devices)
         return changed
 
     async def _serve_and_register(self, servicer: DevicePluginServicer) -> None:
@@ -143,7 +164,20 @@ class ResourceRunner:
         try:
             while True:
                 self._poked.clear()
-                if server is None or file_identity(self.socket_path) != served:
+                current = file_identity(self.socket_path)
+                if server is None or current != served:
+                    if current is not None and current != served and _live_socket(self.socket_path):
+                        # Another kxpu (a rolling update's new pod, a manual run) serves this resource:
+                        # leave it be rather than fight over the socket; take over when it goes.
+                        if self.phase is not Phase.STANDBY:
+                            self.log.warning("another process serves this resource's socket; standing by")
+                        self.phase = Phase.STANDBY
+                        metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
+                        if server is not None:
+                            await server.stop(0)
+                            server, served = None, None
+                        await self._poked.wait()
+                        continue
                     if server is not None:
                         self.log.warning("our socket was removed (kubelet restart?); serving again")
                         await server.stop(0)
@@ -191,14 +225,24 @@ class ResourceRunner:
                     self.socket_path.unlink()
 
     async def _serve(self, servicer: DevicePluginServicer) -> tuple[grpc.aio.Server, FileIdentity]:
-        """Serve before registering: the kubelet dials back before it answers Register."""
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()  # a stale socket from a crashed run
+        """Serve before registering: the kubelet dials back before it answers Register.
+
+        The server binds a private name that is then renamed into place: gRPC unlinks the path it
+        bound when it stops, and that must never be a socket someone else has put there since.
+        """
         self.plugin_dir.mkdir(parents=True, exist_ok=True)  # it may have been removed under us
+        bound = self.plugin_dir / f".{self.socket_path.name}.{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            bound.unlink()
         server = grpc.aio.server()
         pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
+        server.add_insecure_port(f"unix://{bound}")
         await server.start()
+        try:
+            os.replace(bound, self.socket_path)  # also replaces a stale socket from a killed run
+        except OSError:
+            await server.stop(0)
+            raise
         identity = file_identity(self.socket_path)
         if identity is None:
             await server.stop(0)
