@@ -241,9 +241,37 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
     help="The node daemon's --http-address. Env: KXPU_DAEMON_URL.",
 )
 @click.option("--all-resources", is_flag=True, help="Also list devices of resources kxpu does not serve.")
+@click.option(
+    "--cluster",
+    is_flag=True,
+    help="Every node, through the API server: extended resources, the pods holding them, shared devices.",
+)
+@click.option(
+    "--kubeconfig",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With --cluster: default in-cluster account, else $KUBECONFIG or ~/.kube/config.",
+)
+@click.option(
+    "--resource",
+    "resources",
+    multiple=True,
+    metavar="NAME",
+    help="With --cluster: only these resources (repeatable); default every extended resource.",
+)
 @click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", show_default=True)
-def status(pod_resources_socket: Path, daemon_url: str, all_resources: bool, output: str) -> None:
-    """Show which pod holds which device on this node, and each device's health."""
+def status(
+    pod_resources_socket: Path,
+    daemon_url: str,
+    all_resources: bool,
+    cluster: bool,
+    kubeconfig: Path | None,
+    resources: tuple[str, ...],
+    output: str,
+) -> None:
+    """Show which pod holds which device on this node (or, with --cluster, on every node)."""
+    if cluster:
+        _cluster_status(kubeconfig, frozenset(resources), output)
+        return
     from kxpu.status import format_table, node_status
 
     result = asyncio.run(node_status(pod_resources_socket, daemon_url, all_resources))
@@ -253,6 +281,38 @@ def status(pod_resources_socket: Path, daemon_url: str, all_resources: bool, out
         click.echo(format_table(result))
     # Partial answers are still printed; fail only when neither side could be read.
     sys.exit(1 if len(result.errors) == 2 else 0)
+
+
+def _check_address(option: str, address: str) -> None:
+    from kxpu.sharing.probes import parse_listen
+
+    if address:
+        try:
+            parse_listen(address)
+        except ValueError as exc:
+            _fail(f"{option}: {exc}")
+
+
+def _cluster_status(kubeconfig: Path | None, only: frozenset[str], output: str) -> None:
+    from lightkube import AsyncClient, ConfigError, KubeConfig
+
+    from kxpu.sharing.kube.client import FIELD_MANAGER
+    from kxpu.status import fetch_cluster_status, format_cluster_table
+
+    try:
+        config = KubeConfig.from_file(kubeconfig) if kubeconfig else None
+        client = AsyncClient(config=config, field_manager=FIELD_MANAGER)
+    except (ConfigError, OSError) as exc:
+        _fail(f"no access to the API server: {exc}")
+    try:
+        result = asyncio.run(fetch_cluster_status(client, only))
+    except Exception as exc:  # the API server's answer or the connection's failure, said plainly
+        click.echo(f"kxpu: error: listing nodes and pods: {exc}", err=True)
+        sys.exit(1)
+    if output == "json":
+        click.echo(json.dumps(result.as_json(), indent=2))
+    else:
+        click.echo(format_cluster_table(result))
 
 
 def _control_plane_config(path: Path | None) -> Any:
@@ -276,9 +336,18 @@ control_plane_config_option = click.option(
 @main.command()
 @control_plane_config_option
 @click.option("--address", envvar="KXPU_SCHEDULER_ADDRESS", default=":8888", show_default=True)
+@click.option(
+    "--metrics-address",
+    envvar="KXPU_SCHEDULER_METRICS_ADDRESS",
+    default=":9401",
+    show_default=True,
+    help="[HOST]:PORT for /metrics, /healthz, /readyz (plain HTTP); empty to disable.",
+)
 @log_level_option
 @log_format_option
-def scheduler(config_path: Path | None, address: str, log_level: str, log_format: str) -> None:
+def scheduler(
+    config_path: Path | None, address: str, metrics_address: str, log_level: str, log_format: str
+) -> None:
     """Scheduler extender for fractional sharing (filter, prioritize, bind)."""
     import socket
 
@@ -287,12 +356,20 @@ def scheduler(config_path: Path | None, address: str, log_level: str, log_format
     configure_logging(log_level, "json" if log_format == "json" else "text")
     config = _control_plane_config(config_path)
     owner = os.environ.get("POD_NAME") or socket.gethostname()
-    asyncio.run(serve(config, address, owner))
+    _check_address("--metrics-address", metrics_address)
+    asyncio.run(serve(config, address, owner, metrics_address))
 
 
 @main.command()
 @control_plane_config_option
 @click.option("--address", envvar="KXPU_WEBHOOK_ADDRESS", default=":8443", show_default=True)
+@click.option(
+    "--metrics-address",
+    envvar="KXPU_WEBHOOK_METRICS_ADDRESS",
+    default=":9402",
+    show_default=True,
+    help="[HOST]:PORT for /metrics, /healthz, /readyz (plain HTTP); empty to disable.",
+)
 @click.option("--tls-cert-file", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--tls-key-file", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
@@ -306,6 +383,7 @@ def scheduler(config_path: Path | None, address: str, log_level: str, log_format
 def webhook(
     config_path: Path | None,
     address: str,
+    metrics_address: str,
     tls_cert_file: Path,
     tls_key_file: Path,
     trusted_users: tuple[str, ...],
@@ -319,7 +397,10 @@ def webhook(
     config = _control_plane_config(config_path)
     families = config.resource_families()
     trusted = [*config.trusted_users, *trusted_users]
-    asyncio.run(serve(families, config.scheduler_name, trusted, address, tls_cert_file, tls_key_file))
+    _check_address("--metrics-address", metrics_address)
+    asyncio.run(
+        serve(families, config.scheduler_name, trusted, address, tls_cert_file, tls_key_file, metrics_address)
+    )
 
 
 if __name__ == "__main__":

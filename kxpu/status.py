@@ -1,8 +1,13 @@
-"""`kxpu status`: which pod holds which device on this node.
+"""`kxpu status`: which pod holds which device on this node, or (``--cluster``) on every node.
 
-Joins two views: the kubelet's PodResources API (the authority on who holds what, kept in its
-checkpoint) and the node daemon's /status (what kxpu serves and each device's health). Either
-may be unreachable; what the other says is still shown, with the error.
+Node mode joins two views: the kubelet's PodResources API (the authority on who holds what, kept
+in its checkpoint) and the node daemon's /status (what kxpu serves and each device's health).
+Either may be unreachable; what the other says is still shown, with the error.
+
+Cluster mode asks the API server: each node's extended resources (capacity, allocatable, and
+what its pods request), and for shared devices the published inventory joined with the
+assignments the extender wrote on pods (how much memory and compute each pod got on which
+device). lightkube is imported only there, so the node daemon never loads it.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kxpu.api.podresources.v1 import api_pb2 as podres
 from kxpu.api.podresources.v1 import api_pb2_grpc as podres_grpc
+
+if TYPE_CHECKING:
+    from lightkube import AsyncClient
 
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 
@@ -125,5 +133,310 @@ def format_table(status: NodeStatus) -> str:
     for name, phase in sorted(status.phases.items()):
         if phase != "registered":
             lines.append(f"note: {name} is {phase}")
+    lines += [f"error: {e}" for e in status.errors]
+    return "\n".join(lines)
+
+
+# -- cluster mode ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PodHolding:
+    namespace: str
+    name: str
+    phase: str
+    resources: dict[str, int]  # extended resource → amount the pod requests (its effective request)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "name": self.name,
+            "phase": self.phase,
+            "resources": self.resources,
+        }
+
+
+@dataclass
+class Share:
+    """What one container of a pod was assigned on one shared device (from the pod's annotation)."""
+
+    pod: str  # namespace/name
+    container: str
+    memory_mib: int
+    cores: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "pod": self.pod,
+            "container": self.container,
+            "memoryMiB": self.memory_mib,
+            "cores": self.cores,
+        }
+
+
+@dataclass
+class SharedDeviceStatus:
+    resource: str
+    id: str
+    uuid: str
+    model: str
+    healthy: bool
+    memory_capacity_mib: int
+    core_capacity: int
+    split_count: int
+    shares: list[Share] = field(default_factory=list)
+
+    @property
+    def memory_mib(self) -> int:
+        return sum(s.memory_mib for s in self.shares)
+
+    @property
+    def cores(self) -> int:
+        return sum(s.cores for s in self.shares)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "resource": self.resource,
+            "id": self.id,
+            "uuid": self.uuid,
+            "model": self.model,
+            "healthy": self.healthy,
+            "memoryCapacityMiB": self.memory_capacity_mib,
+            "coreCapacity": self.core_capacity,
+            "splitCount": self.split_count,
+            "memoryAllocatedMiB": self.memory_mib,
+            "coresAllocated": self.cores,
+            "shares": [s.as_json() for s in self.shares],
+        }
+
+
+@dataclass
+class ClusterNodeStatus:
+    name: str
+    capacity: dict[str, int]
+    allocatable: dict[str, int]
+    pods: list[PodHolding] = field(default_factory=list)
+    devices: list[SharedDeviceStatus] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def allocated(self, resource: str) -> int:
+        return sum(p.resources.get(resource, 0) for p in self.pods)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "resources": {
+                r: {"capacity": self.capacity.get(r, 0), "allocatable": a, "allocated": self.allocated(r)}
+                for r, a in sorted(self.allocatable.items())
+            },
+            "pods": [p.as_json() for p in self.pods],
+            "devices": [d.as_json() for d in self.devices],
+            "errors": self.errors,
+        }
+
+
+@dataclass
+class ClusterStatus:
+    nodes: list[ClusterNodeStatus]
+    errors: list[str]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"nodes": [n.as_json() for n in self.nodes], "errors": self.errors}
+
+
+def is_extended(resource: str, only: frozenset[str] = frozenset()) -> bool:
+    """An extended resource (``domain/name``, not Kubernetes' own), or one of ``only`` when given."""
+    if only:
+        return resource in only
+    domain, sep, _ = resource.partition("/")
+    return bool(sep) and not (domain == "kubernetes.io" or domain.endswith(".kubernetes.io"))
+
+
+def _quantity(value: Any) -> int | None:
+    """A whole-number quantity; the API server writes them canonically ("3000" comes back as "3k").
+    Anything fractional ("500m") is not an extended resource's."""
+    from lightkube.utils.quantity import parse_quantity
+
+    try:
+        amount = parse_quantity(str(value))
+    except ValueError:
+        return None
+    return int(amount) if amount is not None and amount == amount.to_integral_value() else None
+
+
+def _amounts(resources: dict[str, Any] | None, only: frozenset[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    limits = (resources or {}).get("limits") or {}
+    requests = (resources or {}).get("requests") or {}
+    for name in {*limits, *requests}:
+        amount = _quantity(limits.get(name, requests.get(name)))
+        if amount is not None and is_extended(name, only):
+            out[name] = amount
+    return out
+
+
+def pod_requests(pod: dict[str, Any], only: frozenset[str] = frozenset()) -> dict[str, int]:
+    """The pod's effective request of each extended resource, as the scheduler counts it: the sum over
+    its containers, or the largest init container's if that is more (init containers run one at a time)."""
+    spec = pod.get("spec") or {}
+    total: dict[str, int] = {}
+    for c in spec.get("containers") or []:
+        for name, amount in _amounts(c.get("resources"), only).items():
+            total[name] = total.get(name, 0) + amount
+    for c in spec.get("initContainers") or []:
+        for name, amount in _amounts(c.get("resources"), only).items():
+            total[name] = max(total.get(name, 0), amount)
+    return {k: v for k, v in sorted(total.items()) if v}
+
+
+def build_cluster_status(
+    nodes: list[dict[str, Any]], pods: list[dict[str, Any]], only: frozenset[str] = frozenset()
+) -> ClusterStatus:
+    """Join nodes and pods as the API serves them (``to_dict()`` of lightkube's objects)."""
+    from kxpu.sharing import inventory, signing
+
+    by_name: dict[str, ClusterNodeStatus] = {}
+    device_index: dict[tuple[str, str, str], SharedDeviceStatus] = {}  # (node, resource, device id)
+    for node in sorted(nodes, key=lambda n: str((n.get("metadata") or {}).get("name", ""))):
+        meta = node.get("metadata") or {}
+        status = node.get("status") or {}
+        name = str(meta.get("name", ""))
+
+        def extended(values: dict[str, Any] | None) -> dict[str, int]:
+            return {
+                k: q
+                for k, v in sorted((values or {}).items())
+                if is_extended(k, only) and (q := _quantity(v)) is not None
+            }
+
+        entry = by_name[name] = ClusterNodeStatus(
+            name, extended(status.get("capacity")), extended(status.get("allocatable"))
+        )
+        for key, text in sorted((meta.get("annotations") or {}).items()):
+            if not key.startswith(inventory.ANNOTATION_PREFIX):
+                continue
+            try:
+                inv = inventory.decode(text)
+            except inventory.InventoryError as exc:
+                entry.errors.append(f"{key}: {exc}")
+                continue
+            if only and inv.resource not in only:
+                continue
+            for d in inv.devices:
+                device = SharedDeviceStatus(
+                    inv.resource,
+                    d.id,
+                    d.uuid,
+                    d.model,
+                    d.healthy,
+                    d.memory_capacity_mib,
+                    d.core_capacity,
+                    d.split_count,
+                )
+                entry.devices.append(device)
+                device_index[(name, inv.resource, d.id)] = device
+    errors: list[str] = []
+    for pod in sorted(
+        pods, key=lambda p: (p["metadata"].get("namespace", ""), p["metadata"].get("name", ""))
+    ):
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        phase = str((pod.get("status") or {}).get("phase", ""))
+        placed = by_name.get(str(spec.get("nodeName") or ""))
+        if placed is None or phase in ("Succeeded", "Failed"):
+            continue  # not placed yet, on a node not shown, or finished (its devices are free again)
+        holding = PodHolding(
+            str(meta.get("namespace", "")), str(meta.get("name", "")), phase, pod_requests(pod, only)
+        )
+        text = (meta.get("annotations") or {}).get(signing.ASSIGNMENT_ANNOTATION)
+        shares = 0
+        if text is not None:
+            try:
+                assignment = signing.decode_assignment(text)
+            except signing.SignatureError as exc:
+                errors.append(f"pod {holding.ref}: unreadable assignment: {exc}")
+                shares = 1  # show the pod: something of kxpu's is wrong with it
+            else:
+                for c in assignment.containers:
+                    if only and c.resource not in only:
+                        continue
+                    for grant in c.devices:
+                        shares += 1
+                        held = device_index.get((placed.name, c.resource, grant.device))
+                        if held is None:
+                            placed.errors.append(
+                                f"pod {holding.ref} holds {grant.device} of {c.resource}, not in the inventory"
+                            )
+                            continue
+                        held.shares.append(Share(holding.ref, c.container, grant.memory_mib, grant.cores))
+        if holding.resources or shares:
+            placed.pods.append(holding)
+    # Nodes with nothing of kxpu's are left out (a large cluster's other nodes are noise here).
+    shown = [n for n in by_name.values() if n.capacity or n.allocatable or n.devices or n.pods or n.errors]
+    return ClusterStatus(shown, errors)
+
+
+async def fetch_cluster_status(
+    client: AsyncClient | None = None, only: frozenset[str] = frozenset()
+) -> ClusterStatus:
+    """List nodes and pods through the API server (``client``: default, the project's lightkube client)."""
+    from lightkube import operators
+    from lightkube.resources.core_v1 import Node, Pod
+
+    if client is None:
+        from kxpu.sharing.kube.client import make_client
+
+        client = make_client()
+    nodes = [n.to_dict() async for n in client.list(Node)]
+    # Only placed, unfinished pods can hold devices: let the API server leave the rest out.
+    placed: dict[str, str | operators.BinaryOperator | operators.SequenceOperator] = {
+        "spec.nodeName": operators.not_equal(""),
+        "status.phase": operators.not_in(["Succeeded", "Failed"]),
+    }
+    pods = [p.to_dict() async for p in client.list(Pod, namespace="*", fields=placed)]
+    return build_cluster_status(nodes, pods, only)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
+
+
+def format_cluster_table(status: ClusterStatus) -> str:
+    rows: list[tuple[str, ...]] = [("NODE", "RESOURCE", "CAPACITY", "ALLOCATABLE", "REQUESTED", "PODS")]
+    for node in status.nodes:
+        for resource in sorted({*node.capacity, *node.allocatable}):
+            holders = [f"{p.ref} ({p.resources[resource]})" for p in node.pods if resource in p.resources]
+            rows.append(
+                (
+                    node.name,
+                    resource,
+                    str(node.capacity.get(resource, 0)),
+                    str(node.allocatable.get(resource, 0)),
+                    str(node.allocated(resource)),
+                    ", ".join(holders) or "-",
+                )
+            )
+    lines = _table(rows) if len(rows) > 1 else ["no node has kxpu's extended resources"]
+    shared: list[tuple[str, ...]] = [("NODE", "DEVICE", "RESOURCE", "MEMORY MiB", "CORES %", "SHARES")]
+    for node in status.nodes:
+        for d in node.devices:
+            shares = ", ".join(f"{s.pod}/{s.container} ({s.memory_mib} MiB, {s.cores}%)" for s in d.shares)
+            shared.append(
+                (
+                    node.name,
+                    d.id + ("" if d.healthy else " (unhealthy)"),
+                    d.resource,
+                    f"{d.memory_mib}/{d.memory_capacity_mib}",
+                    f"{d.cores}/{d.core_capacity}",
+                    shares or "-",
+                )
+            )
+    if len(shared) > 1:
+        lines += ["", *_table(shared)]
+    lines += [f"error: {node.name}: {e}" for node in status.nodes for e in node.errors]
     lines += [f"error: {e}" for e in status.errors]
     return "\n".join(lines)

@@ -119,7 +119,8 @@ class StaticKeys(KubeNodeLink):
 
 
 async def test_node_lock_compare_and_swap_and_recovery(env: Env) -> None:
-    api_a = KubeSchedulerAPI(env.client, "extender-a")
+    takeovers: list[str] = []
+    api_a = KubeSchedulerAPI(env.client, "extender-a", on_takeover=takeovers.append)
     api_b = KubeSchedulerAPI(env.client, "extender-b")
     first = await env.pod("first", {})
     second = await env.pod("second", {})
@@ -143,7 +144,9 @@ async def test_node_lock_compare_and_swap_and_recovery(env: Env) -> None:
         return False
 
     await eventually(holder_gone)
+    assert takeovers == []
     await api_a.acquire_lock(env.node, NPU, loser)  # recovered at once: its pod is gone
+    assert takeovers == ["its pod is gone"]  # counted by the extender as kxpu_scheduler_lock_takeovers
     link = StaticKeys(env.node, sharing_config(), env.client)
     lock = await link.lock(NPU)
     assert lock is not None and lock.uid == loser.uid and lock.owner == "extender-a"

@@ -322,3 +322,279 @@ def test_plain_manifests_have_no_helm_labels() -> None:
     for doc in docs:
         labels = doc["metadata"].get("labels", {})
         assert "helm.sh/chart" not in labels and "app.kubernetes.io/managed-by" not in labels
+
+
+# -- sharing --------------------------------------------------------------------------------------------------
+SHARING_VALUES = OVERRIDES.parent / "values-sharing.yaml"
+
+
+@pytest.fixture(scope="module")
+def sharing(helm: Path) -> Rendered:
+    return template(helm, "--values", str(SHARING_VALUES))
+
+
+def test_helm_lint_with_sharing(helm: Path) -> None:
+    for extra in ([], ["--set", "webhook.certManager.enabled=true", "--set", "webhook.tls.secretName="]):
+        proc = subprocess.run(
+            [str(helm), "lint", "--strict", str(CHART), "--values", str(SHARING_VALUES), *extra],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_sharing_is_off_by_default(default: Rendered) -> None:
+    assert not default.kinds("Deployment") and not default.kinds("Secret")
+    assert not default.kinds("MutatingWebhookConfiguration") and not default.kinds(
+        "ValidatingWebhookConfiguration"
+    )
+    assert chart_values()["sharing"]["enabled"] is False
+
+
+def rules(role: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...], tuple[str, ...]]]:
+    """(apiGroup, resource, resourceNames, verbs) per rule, for exact comparison."""
+    out = []
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.append((group, resource, tuple(rule.get("resourceNames", ())), tuple(rule["verbs"])))
+    return sorted(out)
+
+
+def bound_roles(rendered: Rendered, account: str) -> dict[str, dict[str, Any]]:
+    """Roles and ClusterRoles (by kind/name) bound to a service account of the release."""
+    out = {}
+    for binding in rendered.kinds("RoleBinding") + rendered.kinds("ClusterRoleBinding"):
+        if {"kind": "ServiceAccount", "name": account, "namespace": "kxpu-system"} in binding["subjects"]:
+            ref = binding["roleRef"]
+            out[f"{ref['kind']}/{ref['name']}"] = binding
+    return out
+
+
+def test_sharing_rbac_is_exact(sharing: Rendered) -> None:
+    extender = rules(sharing.one("ClusterRole", "kxpu-scheduler-extender"))
+    assert extender == [
+        ("", "events", (), ("create",)),
+        ("", "nodes", (), ("get", "list", "watch", "patch")),
+        ("", "pods", (), ("get", "list", "watch", "patch")),
+        ("", "pods/binding", (), ("create",)),
+    ]
+    assert rules(sharing.one("Role", "kxpu-scheduler")) == [
+        ("", "secrets", ("kxpu-signing-key",), ("get",)),
+        ("coordination.k8s.io", "leases", (), ("create",)),
+        ("coordination.k8s.io", "leases", ("kxpu-scheduler",), ("get", "update")),
+    ]
+    assert sorted(bound_roles(sharing, "kxpu-scheduler")) == [
+        "ClusterRole/kxpu-scheduler-extender",
+        "ClusterRole/system:kube-scheduler",
+        "ClusterRole/system:volume-scheduler",
+        "Role/extension-apiserver-authentication-reader",
+        "Role/kxpu-scheduler",
+    ]
+    assert rules(sharing.one("ClusterRole", "kxpu-plugin-sharing")) == [
+        ("", "events", (), ("create",)),
+        ("", "nodes", (), ("get", "patch")),
+        ("", "pods", (), ("get", "patch")),
+    ]
+    assert rules(sharing.one("Role", "kxpu-plugin-signing-key")) == [
+        ("", "secrets", ("kxpu-signing-key",), ("get",))
+    ]
+    assert sorted(bound_roles(sharing, "kxpu-plugin")) == [
+        "ClusterRole/kxpu-plugin-sharing",
+        "Role/kxpu-plugin-signing-key",
+    ]
+    assert not bound_roles(sharing, "kxpu-webhook")
+    for role in sharing.kinds("ClusterRole") + sharing.kinds("Role"):
+        for rule in role["rules"]:
+            assert not {"*"} & {*rule["apiGroups"], *rule["resources"], *rule["verbs"]}, rule
+
+
+def test_node_daemon_gets_its_node_name_and_the_key(sharing: Rendered) -> None:
+    by_config = daemonsets_by_config(sharing)
+    for ds in by_config.values():
+        assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+        env = container(ds)["env"]
+        assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in env
+    config = config_of(sharing, by_config["default"])
+    assert config["resources"][0]["sharing"]["signingKey"] == {
+        "secret": "kxpu-system/kxpu-signing-key",
+        "field": "keys",
+    }
+    parse_config(config, "sharing default")
+    # A resource naming its own key keeps it.
+    own = config_of(sharing, by_config["own-key"])
+    assert own["resources"][0]["sharing"]["signingKey"] == {"file": "/etc/kxpu/keys"}
+    secret = sharing.one("Secret", "kxpu-signing-key")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    (key,) = signing_keys(secret)
+    assert len(key) >= 32
+
+
+def signing_keys(secret: dict[str, Any]) -> list[bytes]:
+    import base64
+
+    from kxpu.sharing.signing import parse_keys
+
+    return parse_keys(base64.b64decode(secret["data"]["keys"]))
+
+
+def test_control_plane_and_scheduler_config(sharing: Rendered) -> None:
+    from kxpu.sharing.config import ControlPlaneConfig
+
+    cm = sharing.one("ConfigMap", "kxpu-sharing")
+    control = ControlPlaneConfig.model_validate(yaml.safe_load(cm["data"]["control-plane.yaml"]))
+    assert [f.count for f in control.resource_families()] == ["example.com/sim-npu", "nvidia.com/gpu"]
+    assert control.signing_key.secret_ref == ("kxpu-system", "kxpu-signing-key")
+    assert control.trusted_users == [
+        "system:serviceaccount:kxpu-system:kxpu-scheduler",
+        "system:serviceaccount:kxpu-system:kxpu-plugin",
+        "system:serviceaccount:ops:repair-bot",
+    ]
+    config = yaml.safe_load(cm["data"]["scheduler-config.yaml"])
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    assert config["profiles"] == [{"schedulerName": "kxpu-scheduler"}]
+    assert config["leaderElection"] == {
+        "leaderElect": True,
+        "resourceName": "kxpu-scheduler",
+        "resourceNamespace": "kxpu-system",
+    }
+    (extender,) = config["extenders"]
+    assert extender["urlPrefix"] == "http://127.0.0.1:8888"
+    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
+        "filter",
+        "prioritize",
+        "bind",
+    )
+    assert extender["nodeCacheCapable"] is True and extender["ignorable"] is False
+    managed = {m["name"]: m["ignoredByScheduler"] for m in extender["managedResources"]}
+    # Every name the extender parses is managed; only the counts are also counted by kube-scheduler.
+    assert managed == {
+        name: name != family.count for family in control.resource_families() for name in family.names
+    }
+
+
+def test_scheduler_deployment(sharing: Rendered) -> None:
+    deploy = sharing.one("Deployment", "kxpu-scheduler")
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "kxpu-scheduler"
+    containers = {c["name"]: c for c in pod["containers"]}
+    scheduler, extender = containers["kube-scheduler"], containers["extender"]
+    assert scheduler["image"] == "registry.k8s.io/kube-scheduler:v1.34.4"
+    assert scheduler["command"] == ["kube-scheduler", "--config=/etc/kxpu/scheduler-config.yaml"]
+    assert scheduler["livenessProbe"]["httpGet"] == {
+        "path": "/healthz",
+        "port": "scheduler",
+        "scheme": "HTTPS",
+    }
+    assert extender["image"] == "localhost/kxpu:0.1.0"
+    assert extender["args"][:4] == [
+        "scheduler",
+        "--config=/etc/kxpu/control-plane.yaml",
+        "--address=127.0.0.1:8888",
+        "--metrics-address=:9401",
+    ]
+    assert extender["ports"] == [{"name": "metrics", "containerPort": 9401, "protocol": "TCP"}]
+    assert extender["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert extender["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    for c in (scheduler, extender):
+        assert {"name": "config", "mountPath": "/etc/kxpu", "readOnly": True} in c["volumeMounts"]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["volumes"] == [{"name": "config", "configMap": {"name": "kxpu-sharing"}}]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_webhook_deployment_and_tls(sharing: Rendered) -> None:
+    deploy = sharing.one("Deployment", "kxpu-webhook")
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    (c,) = pod["containers"]
+    assert c["args"][:4] == [
+        "webhook",
+        "--config=/etc/kxpu/control-plane.yaml",
+        "--address=:8443",
+        "--metrics-address=:9402",
+    ]
+    assert {"--tls-cert-file=/etc/kxpu/tls/tls.crt", "--tls-key-file=/etc/kxpu/tls/tls.key"} <= set(c["args"])
+    assert {"name": "tls", "mountPath": "/etc/kxpu/tls", "readOnly": True} in c["volumeMounts"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "kxpu-webhook-tls"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    svc = sharing.one("Service", "kxpu-webhook")
+    assert {"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"} in svc["spec"]["ports"]
+    assert svc["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("kind", ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"])
+def test_webhook_configurations(sharing: Rendered, kind: str) -> None:
+    (hook,) = sharing.one(kind)["webhooks"]
+    assert hook["failurePolicy"] == "Ignore"  # from values-sharing.yaml; the chart's default is Fail
+    assert hook["sideEffects"] == "None" and hook["admissionReviewVersions"] == ["v1"]
+    assert hook["clientConfig"]["service"] == {
+        "name": "kxpu-webhook",
+        "namespace": "kxpu-system",
+        "path": "/mutate" if kind.startswith("Mutating") else "/validate",
+        "port": 443,
+    }
+    assert hook["clientConfig"]["caBundle"] == "Q0EgUEVN"
+    assert hook["namespaceSelector"] == {
+        "matchExpressions": [
+            {
+                "key": "kubernetes.io/metadata.name",
+                "operator": "NotIn",
+                "values": ["kube-system", "kxpu-system", "monitoring"],
+            }
+        ]
+    }
+    (rule,) = hook["rules"]
+    assert rule["resources"] == ["pods"]
+    assert rule["operations"] == (["CREATE"] if kind.startswith("Mutating") else ["CREATE", "UPDATE"])
+    assert chart_values()["webhook"]["failurePolicy"] == "Fail"
+
+
+def test_webhook_certificate_from_cert_manager(helm: Path) -> None:
+    rendered = template(helm, "--set", "sharing.enabled=true", "--set", "webhook.certManager.enabled=true")
+    cert = rendered.one("Certificate")
+    assert cert["spec"]["secretName"] == "kxpu-webhook-tls"
+    assert "kxpu-webhook.kxpu-system.svc" in cert["spec"]["dnsNames"]
+    assert cert["spec"]["issuerRef"] == {"name": "kxpu-webhook-selfsigned", "kind": "Issuer"}
+    assert rendered.one("Issuer")["spec"] == {"selfSigned": {}}
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        hook = rendered.one(kind)
+        assert hook["metadata"]["annotations"] == {
+            "cert-manager.io/inject-ca-from": "kxpu-system/kxpu-webhook"
+        }
+        assert "caBundle" not in hook["webhooks"][0]["clientConfig"]
+        assert hook["webhooks"][0]["failurePolicy"] == "Fail"
+    volumes = {
+        v["name"]: v
+        for v in rendered.one("Deployment", "kxpu-webhook")["spec"]["template"]["spec"]["volumes"]
+    }
+    assert volumes["tls"]["secret"]["secretName"] == "kxpu-webhook-tls"
+
+
+def test_sharing_metrics_are_scraped(sharing: Rendered) -> None:
+    monitor = sharing.one("ServiceMonitor", "kxpu-sharing")
+    selected = [
+        s["metadata"]["name"]
+        for s in sharing.kinds("Service")
+        if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    assert sorted(selected) == ["kxpu-scheduler-metrics", "kxpu-webhook"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and "relabelings" not in endpoint
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "needs webhook.tls.secretName"),
+        (["--set", "webhook.tls.secretName=x"], "needs webhook.tls.caBundle"),
+        (
+            ["--set", "webhook.certManager.enabled=true", "--set", "webhook.failurePolicy=Maybe"],
+            "Fail or Ignore",
+        ),
+    ],
+    ids=["no-certificate", "no-ca", "bad-failure-policy"],
+)
+def test_bad_sharing_values_are_refused(helm: Path, args: list[str], message: str) -> None:
+    assert message in template_error(helm, "--set", "sharing.enabled=true", *args)

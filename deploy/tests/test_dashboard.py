@@ -1,9 +1,11 @@
-"""The Grafana dashboard asks only for series kxpu exports, with labels they have, and shows every kxpu metric.
+"""The Grafana dashboards ask only for series kxpu exports, with labels they have, and show every kxpu metric.
 
-The names come from the PromQL of every panel and template variable; what kxpu exports comes from the
-prometheus-client registry after importing kxpu.daemon.metrics (its metrics plus the process collector's),
-with the series each metric type produces: a counter ``x`` is queried as ``x_total``, a histogram ``x`` as
-``x_bucket``, ``x_sum`` and ``x_count`` (never bare).
+Two dashboards: kxpu-node.json over the node daemon's metrics (kxpu.daemon.metrics) and kxpu-scheduler.json
+over the sharing control plane's (kxpu.sharing.extender_metrics and kxpu.sharing.webhook_metrics). The names
+come from the PromQL of every panel and template variable; what kxpu exports comes from the prometheus-client
+registry after importing the three modules (their metrics plus the process collector's), with the series
+each metric type produces: a counter ``x`` is queried as ``x_total``, a histogram ``x`` as ``x_bucket``,
+``x_sum`` and ``x_count`` (never bare).
 """
 
 from __future__ import annotations
@@ -19,8 +21,16 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
 from kxpu.daemon import metrics
+from kxpu.sharing import extender_metrics, webhook_metrics
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "grafana" / "kxpu-node.json"
+GRAFANA = Path(__file__).resolve().parents[1] / "grafana"
+# dashboard file -> (its uid, the metric names it must show and may query)
+DASHBOARDS = {
+    "kxpu-node.json": ("kxpu-node", metrics.METRIC_NAMES),
+    "kxpu-scheduler.json": ("kxpu-scheduler", extender_metrics.METRIC_NAMES | webhook_metrics.METRIC_NAMES),
+}
+ALL_NAMES = frozenset().union(*(names for _, names in DASHBOARDS.values()))
+by_dashboard = pytest.mark.parametrize("dashboard", sorted(DASHBOARDS))
 SUFFIXES = {
     "counter": ("_total", "_created"),
     "gauge": ("",),
@@ -46,8 +56,8 @@ KEYWORDS = {
 }
 
 
-def load() -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+def load(dashboard: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((GRAFANA / dashboard).read_text())
     return data
 
 
@@ -93,33 +103,42 @@ def exported() -> dict[str, tuple[str, str]]:
 
 
 def label_names() -> dict[str, set[str]]:
-    """kxpu metric family -> its label names (the wrappers keep them in ``_labelnames``)."""
+    """kxpu metric family -> its label names (the wrappers keep them in ``_labelnames``; the extender's
+    allocation gauges come from a collector that declares them in CACHE_LABELS)."""
     out = {}
-    for obj in vars(metrics).values():
-        if isinstance(obj, MetricWrapperBase):
-            out[obj._name] = set(obj._labelnames)
+    for module in (metrics, extender_metrics, webhook_metrics):
+        for obj in vars(module).values():
+            if isinstance(obj, MetricWrapperBase):
+                out[obj._name] = set(obj._labelnames)
+    for name, names in extender_metrics.CACHE_LABELS.items():
+        out[name] = set(names)
     return out
 
 
 def test_metric_names_match_the_registry() -> None:
     kxpu_families = {f.name for f in REGISTRY.collect() if f.name.startswith("kxpu_")}
-    assert kxpu_families == set(metrics.METRIC_NAMES)
+    assert kxpu_families == set(ALL_NAMES)
+    assert not metrics.METRIC_NAMES & (extender_metrics.METRIC_NAMES | webhook_metrics.METRIC_NAMES)
+    assert all(n.startswith("kxpu_scheduler_") for n in extender_metrics.METRIC_NAMES)
+    assert all(n.startswith("kxpu_webhook_") for n in webhook_metrics.METRIC_NAMES)
 
 
-def test_dashboard_queries_only_exported_series() -> None:
+@by_dashboard
+def test_dashboard_queries_only_exported_series(dashboard: str) -> None:
     series = exported()
-    used = [(expr, name) for expr in expressions(load()) for name, _ in selectors(expr)]
+    used = [(expr, name) for expr in expressions(load(dashboard)) for name, _ in selectors(expr)]
     assert used, "no PromQL found in the dashboard"
     unknown = sorted({f"{name}  (in: {expr})" for expr, name in used if name not in series})
     assert not unknown, "series kxpu does not export:\n" + "\n".join(unknown)
     kxpu_bases = {series[name][0] for _, name in used if name.startswith("kxpu_")}
-    assert kxpu_bases <= metrics.METRIC_NAMES
+    assert kxpu_bases <= DASHBOARDS[dashboard][1]
 
 
-def test_dashboard_filters_on_labels_the_metrics_have() -> None:
+@by_dashboard
+def test_dashboard_filters_on_labels_the_metrics_have(dashboard: str) -> None:
     labels = label_names()
     series = exported()
-    for expr in expressions(load()):
+    for expr in expressions(load(dashboard)):
         for name, used in selectors(expr):
             if name not in series:
                 continue  # reported by test_dashboard_queries_only_exported_series
@@ -130,18 +149,21 @@ def test_dashboard_filters_on_labels_the_metrics_have() -> None:
             assert used <= allowed, f"{name} has no label(s) {sorted(used - allowed)}: {expr}"
 
 
-def test_every_kxpu_metric_is_on_the_dashboard() -> None:
+@by_dashboard
+def test_every_kxpu_metric_is_on_the_dashboard(dashboard: str) -> None:
     series = exported()
-    shown = {series[name][0] for expr in expressions(load()) for name, _ in selectors(expr) if name in series}
-    assert set(metrics.METRIC_NAMES) - shown == set()
+    exprs = expressions(load(dashboard))
+    shown = {series[name][0] for expr in exprs for name, _ in selectors(expr) if name in series}
+    assert set(DASHBOARDS[dashboard][1]) - shown == set()
 
 
-def test_dashboard_is_importable() -> None:
-    dashboard = load()
-    assert dashboard["uid"] == "kxpu-node" and dashboard["title"]
-    ids = [p["id"] for p in panels(dashboard["panels"])]
+@by_dashboard
+def test_dashboard_is_importable(dashboard: str) -> None:
+    data = load(dashboard)
+    assert data["uid"] == DASHBOARDS[dashboard][0] and data["title"]
+    ids = [p["id"] for p in panels(data["panels"])]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
-    for panel in panels(dashboard["panels"]):
+    for panel in panels(data["panels"]):
         if panel["type"] != "row":
             assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
             assert panel["targets"], panel["title"]

@@ -173,6 +173,8 @@ def main() -> None:
         str(cp_cfg),
         "--address",
         "127.0.0.1:18888",
+        "--metrics-address",
+        "127.0.0.1:18889",
         "--log-level",
         "debug",
     )
@@ -184,6 +186,8 @@ def main() -> None:
         str(cp_cfg),
         "--address",
         "127.0.0.1:18443",
+        "--metrics-address",
+        "127.0.0.1:18444",
         "--tls-cert-file",
         str(WORK / "tls.crt"),
         "--tls-key-file",

@@ -10,6 +10,10 @@ answers every node that fits, plus ``FailedNodes`` (could fit once pods finish) 
 ``ExtenderBindingArgs`` (``PodName``, ``PodNamespace``, ``PodUID``, ``Node``). Also
 ``GET /healthz`` and ``/readyz`` (ready once the node and pod caches have synced).
 
+``--metrics-address`` serves ``/metrics`` (``kxpu_scheduler_*``, see extender_metrics),
+``/healthz`` and ``/readyz`` on a port of its own, so that the extender's API, which binds
+pods, can listen on 127.0.0.1 only (beside kube-scheduler, in the same pod).
+
 aiohttp serves it: one asyncio loop with the watch-fed cache and the API client, no
 thread hand-offs, and a mature server with TLS (starlette would add uvicorn and an ASGI
 layer for nothing we need).
@@ -38,14 +42,16 @@ import contextlib
 import gc
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
 from kxpu.logs import get_logger
+from kxpu.sharing import extender_metrics as metrics
+from kxpu.sharing import probes
 from kxpu.sharing.config import ControlPlaneConfig
-from kxpu.sharing.scheduler import Scheduler
+from kxpu.sharing.scheduler import LockBusy, PodRef, Scheduler, SchedulerAPI
 from kxpu.sharing.state import ClusterState
 
 log = get_logger("kxpu.sharing.extender")
@@ -109,6 +115,8 @@ def make_app(scheduler: Scheduler, ready: Callable[[], bool] = lambda: True) -> 
         names, items = _nodes(args)
         started = time.perf_counter()
         result = scheduler.filter(pod, names)
+        metrics.DECISIONS.labels("fit").inc(len(result.passed))
+        metrics.DECISIONS.labels("no-fit").inc(len(result.failed) + len(result.unresolvable))
         out: dict[str, Any] = {
             "FailedNodes": result.failed,
             "FailedAndUnresolvableNodes": result.unresolvable,
@@ -129,22 +137,27 @@ def make_app(scheduler: Scheduler, ready: Callable[[], bool] = lambda: True) -> 
             passed=len(result.passed),
             ms=round((time.perf_counter() - started) * 1000, 2),
         )
+        metrics.REQUEST_SECONDS.labels("filter").observe(time.perf_counter() - started)
         return _json(out)
 
     async def prioritize(request: web.Request) -> web.Response:
         args = await _args(request)
         names, _ = _nodes(args)
-        scores = scheduler.prioritize(_field(args, "Pod") or {}, names)
+        with metrics.REQUEST_SECONDS.labels("prioritize").time():
+            scores = scheduler.prioritize(_field(args, "Pod") or {}, names)
         return _json([{"Host": host, "Score": score} for host, score in scores])
 
     async def bind(request: web.Request) -> web.Response:
         args = await _args(request)
+        started = time.perf_counter()
         error = await scheduler.bind(
             str(_field(args, "PodNamespace") or ""),
             str(_field(args, "PodName") or ""),
             str(_field(args, "PodUID") or ""),
             str(_field(args, "Node") or ""),
         )
+        metrics.REQUEST_SECONDS.labels("bind").observe(time.perf_counter() - started)
+        metrics.DECISIONS.labels("bind-failed" if error else "bound").inc()
         return _json({"Error": error})
 
     async def healthz(request: web.Request) -> web.Response:
@@ -167,13 +180,41 @@ def _pod_name(pod: dict[str, Any]) -> str:
     return f"{meta.get('namespace')}/{meta.get('name')}"
 
 
-def parse_listen(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host or "0.0.0.0", int(port)
+class MeteredAPI:
+    """The SchedulerAPI with node-lock waits and refusals counted (the decisions stay in Scheduler)."""
+
+    def __init__(self, api: SchedulerAPI) -> None:
+        self.api = api
+
+    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
+        return await self.api.get_pod(namespace, name)
+
+    async def acquire_lock(self, node: str, resource: str, pod: PodRef) -> None:
+        started = time.perf_counter()
+        try:
+            await self.api.acquire_lock(node, resource, pod)
+        except LockBusy:
+            metrics.LOCK_BUSY.inc()
+            raise
+        finally:
+            metrics.LOCK_WAIT_SECONDS.observe(time.perf_counter() - started)
+
+    async def release_lock(self, node: str, resource: str, pod: PodRef) -> None:
+        await self.api.release_lock(node, resource, pod)
+
+    async def annotate_pod(self, pod: PodRef, annotations: Mapping[str, str | None]) -> None:
+        await self.api.annotate_pod(pod, annotations)
+
+    async def bind(self, pod: PodRef, node: str) -> None:
+        await self.api.bind(pod, node)
+
+    async def event(self, pod: PodRef, reason: str, message: str, warning: bool = False) -> None:
+        await self.api.event(pod, reason, message, warning)
 
 
-async def serve(config: ControlPlaneConfig, address: str, owner: str) -> None:
-    """Run the extender until cancelled: caches from watches, keys from the Secret, HTTP on ``address``."""
+async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_address: str = "") -> None:
+    """Run the extender until cancelled: caches from watches, keys from the Secret, HTTP on ``address``
+    (and metrics and probes on ``metrics_address`` unless it is empty)."""
     from kxpu.sharing.kube.api import KubeSchedulerAPI
     from kxpu.sharing.kube.client import make_client
     from kxpu.sharing.kube.informer import Informer
@@ -188,13 +229,27 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str) -> None:
     families = config.resource_families()
     state = ClusterState([f.count for f in families], stale_after_s=config.inventory_stale_seconds)
     informer = Informer(client, state, keys.current)
-    api = KubeSchedulerAPI(client, owner, lock_ttl_s=config.lock_timeout_seconds)
+    api = MeteredAPI(
+        KubeSchedulerAPI(
+            client,
+            owner,
+            lock_ttl_s=config.lock_timeout_seconds,
+            on_takeover=lambda why: metrics.LOCK_TAKEOVERS.labels(metrics.takeover_cause(why)).inc(),
+        )
+    )
     scheduler = Scheduler(state, families, keys.current, api, config.node_policy, config.device_policy)
+    metrics.CACHE.state = state
+    metrics.CACHE.ready = lambda: informer.ready
     runner = web.AppRunner(make_app(scheduler, lambda: informer.ready), access_log=None)
     await runner.setup()
-    host, port = parse_listen(address)
+    host, port = probes.parse_listen(address)
     await web.TCPSite(runner, host, port).start()
     log.info("scheduler extender listening", address=address, families=[f.count for f in families])
+    probe_runner: web.AppRunner | None = None
+    if metrics_address:
+        app = probes.make_probe_app(lambda: informer.ready, "caches not synced")
+        probe_runner, _ = await probes.start(app, metrics_address)
+        log.info("serving metrics and probes", address=metrics_address)
 
     async def housekeeping() -> None:
         await informer.synced_event.wait()
@@ -210,3 +265,5 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str) -> None:
             tasks.create_task(housekeeping())
     finally:
         await runner.cleanup()
+        if probe_runner is not None:
+            await probe_runner.cleanup()

@@ -22,6 +22,9 @@ family:
 - pods with ``spec.nodeName`` preset that ask for shared devices (no scheduler decision,
   no assignment: the node would refuse them at admission anyway).
 
+Metrics (``kxpu_webhook_*``, see webhook_metrics) and ``/healthz``, ``/readyz`` are served
+in plain HTTP on ``--metrics-address``: the admission port's certificate is for the API server.
+
 TLS: the certificate and key are files (mount the Secret holding them, e.g. one made by
 cert-manager); they are re-read when they change, so rotation needs no restart.
 
@@ -39,6 +42,7 @@ import asyncio
 import base64
 import json
 import ssl
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,8 @@ from typing import Any
 from aiohttp import web
 
 from kxpu.logs import get_logger
+from kxpu.sharing import probes
+from kxpu.sharing import webhook_metrics as metrics
 from kxpu.sharing.lock import ALLOCATED_PREFIX, LOCK_PREFIX
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod, requested_names
 from kxpu.sharing.scheduler import BIND_PHASE_ANNOTATION
@@ -179,22 +185,26 @@ def make_app(
 
     async def mutate_(request: web.Request) -> web.Response:
         review = await body(request)
+        started = time.perf_counter()
         if review.get("kind", {}).get("kind") != "Pod" or review.get("operation") != "CREATE":
-            return web.json_response(_review(review, True))
+            return _answer("mutate", started, _review(review, True), "allowed", "not-a-pod-create")
         patch = mutate(review.get("object") or {}, families, scheduler_name)
         if patch:
             log.info("mutated", pod=_name(review), ops=len(patch))
-        return web.json_response(_review(review, True, patch=patch))
+            return _answer("mutate", started, _review(review, True, patch=patch), "patched", "shared-devices")
+        return _answer("mutate", started, _review(review, True), "allowed", "no-change")
 
     async def validate_(request: web.Request) -> web.Response:
         review = await body(request)
+        started = time.perf_counter()
         if review.get("kind", {}).get("kind") != "Pod":
-            return web.json_response(_review(review, True))
+            return _answer("validate", started, _review(review, True), "allowed", "not-a-pod")
         reason = validate(review, families, trusted_users)
         if reason:
             log.info("denied", pod=_name(review), reason=reason)
-            return web.json_response(_review(review, False, reason))
-        return web.json_response(_review(review, True))
+            answer = _review(review, False, reason)
+            return _answer("validate", started, answer, "denied", metrics.reason_of(reason))
+        return _answer("validate", started, _review(review, True), "allowed", "valid")
 
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -204,6 +214,12 @@ def make_app(
     app.router.add_post("/validate", validate_)
     app.router.add_get("/healthz", healthz)
     return app
+
+
+def _answer(webhook: str, started: float, review: dict[str, Any], verdict: str, reason: str) -> web.Response:
+    metrics.ADMISSIONS.labels(webhook, verdict, reason).inc()
+    metrics.ADMISSION_SECONDS.labels(webhook).observe(time.perf_counter() - started)
+    return web.json_response(review)
 
 
 def _name(review: Mapping[str, Any]) -> str:
@@ -235,6 +251,7 @@ class ReloadingTLS:
         context.load_cert_chain(self.cert, self.key)
         self._stamp = stamp
         log.info("TLS certificate loaded", cert=str(self.cert))
+        metrics.TLS_RELOADS.labels("ok").inc()
         return context
 
     def current(self) -> ssl.SSLContext:
@@ -243,6 +260,7 @@ class ReloadingTLS:
                 self._active = self._load()
         except (OSError, ssl.SSLError) as exc:  # keep serving with the last good certificate
             log.warning("TLS certificate reload failed", error=str(exc))
+            metrics.TLS_RELOADS.labels("failed").inc()
         return self._active
 
     def _on_hello(self, sock: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
@@ -258,15 +276,22 @@ async def serve(
     address: str,
     cert: Path,
     key: Path,
+    metrics_address: str = "",
 ) -> None:
-    """Serve HTTPS on ``address`` until cancelled."""
+    """Serve HTTPS on ``address`` (and plain-HTTP metrics and probes on ``metrics_address``) until cancelled."""
     tls = ReloadingTLS(cert, key)
     runner = web.AppRunner(make_app(families, scheduler_name, trusted_users), access_log=None)
     await runner.setup()
     host, _, port = address.rpartition(":")
     await web.TCPSite(runner, host or "0.0.0.0", int(port), ssl_context=tls.context).start()
     log.info("admission webhook listening", address=address, scheduler=scheduler_name)
+    probe_runner: web.AppRunner | None = None
+    if metrics_address:
+        probe_runner, _ = await probes.start(probes.make_probe_app(lambda: True), metrics_address)
+        log.info("serving metrics and probes", address=metrics_address)
     try:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+        if probe_runner is not None:
+            await probe_runner.cleanup()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightkube import ApiError, AsyncClient
@@ -31,12 +31,18 @@ _Binding = create_namespaced_resource("", "v1", "Binding", "bindings")
 
 class KubeSchedulerAPI:
     def __init__(
-        self, client: AsyncClient, owner: str, lock_ttl_s: float = 60.0, hard_expiry_s: float = 600.0
+        self,
+        client: AsyncClient,
+        owner: str,
+        lock_ttl_s: float = 60.0,
+        hard_expiry_s: float = 600.0,
+        on_takeover: Callable[[str], None] = lambda why: None,
     ) -> None:
         self.client = client
         self.owner = owner
         self.lock_ttl_s = lock_ttl_s
         self.hard_expiry_s = hard_expiry_s
+        self.on_takeover = on_takeover  # told why each stale lock was taken over (the extender counts them)
 
     async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
         pod = await self.client.get(Pod, name, namespace=namespace)
@@ -70,6 +76,7 @@ class KubeSchedulerAPI:
                                 f"node {node} is locked for {resource} by pod {lock.pod} (until it is admitted)"
                             )
                         log.info("taking over a node lock", node=node, previous=lock.pod, because=why)
+                        self.on_takeover(why)
             t = now()
             value = NodeLock(pod.namespace, pod.name, pod.uid, self.owner, t, t + self.lock_ttl_s).encode()
             if await self._cas(node, version_of(obj), {key: value}):

@@ -53,12 +53,25 @@ The node configs as a list of {name, key, config}: "default" (from .Values.confi
 .Values.nodeConfigs by name. Each becomes a ConfigMap key and a DaemonSet. Returned as YAML.
 */}}
 {{- define "kxpu.nodeConfigs" -}}
-{{- $out := list (dict "name" "default" "key" "config.yaml" "config" .Values.config) }}
+{{- $out := list (dict "name" "default" "key" "config.yaml" "config" (deepCopy .Values.config)) }}
 {{- range $name := keys .Values.nodeConfigs | sortAlpha }}
 {{- if or (eq $name "default") (not (regexMatch "^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$" $name)) }}
 {{- fail (printf "nodeConfigs.%s: a name must be lowercase letters, digits and '-', at most 40 characters (it is a label value and part of a DaemonSet name), and not \"default\"" $name) }}
 {{- end }}
-{{- $out = append $out (dict "name" $name "key" (printf "%s.yaml" $name) "config" (get $.Values.nodeConfigs $name)) }}
+{{- $out = append $out (dict "name" $name "key" (printf "%s.yaml" $name) "config" (deepCopy (get $.Values.nodeConfigs $name))) }}
+{{- end }}
+{{- if .Values.sharing.enabled }}
+{{- /* Resources that share devices verify assignments with the release's signing key unless they name one. */}}
+{{- $key := dict "secret" (printf "%s/%s" .Release.Namespace (include "kxpu.sharing.keySecret" .)) "field" .Values.sharing.signingKey.field }}
+{{- range $out }}
+{{- if kindIs "map" .config }}
+{{- range (get .config "resources" | default list) }}
+{{- if and (kindIs "map" .) (kindIs "map" (get . "sharing")) (not (hasKey (get . "sharing") "signingKey")) }}
+{{- $_ := set (get . "sharing") "signingKey" $key }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- range $out }}
 {{- $where := ternary "config" (printf "nodeConfigs.%s" .name) (eq .name "default") }}
@@ -73,4 +86,35 @@ The node configs as a list of {name, key, config}: "default" (from .Values.confi
 {{- end }}
 {{- end }}
 {{- toYaml $out }}
+{{- end }}
+
+{{- /* Sharing: names of the control plane's objects. */}}
+{{- define "kxpu.sharing.keySecret" -}}
+{{- default (printf "%s-signing-key" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-") .Values.sharing.signingKey.secretName }}
+{{- end }}
+
+{{- define "kxpu.sharing.configMapName" -}}
+{{- printf "%s-sharing" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kxpu.scheduler.name" -}}
+{{- printf "%s-scheduler" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kxpu.webhook.name" -}}
+{{- printf "%s-webhook" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kxpu.webhook.tlsSecret" -}}
+{{- if .Values.webhook.certManager.enabled }}
+{{- printf "%s-tls" (include "kxpu.webhook.name" .) }}
+{{- else }}
+{{- required "sharing.enabled needs webhook.tls.secretName (a kubernetes.io/tls Secret) or webhook.certManager.enabled" .Values.webhook.tls.secretName }}
+{{- end }}
+{{- end }}
+
+{{- /* The accounts that may change kxpu's pod annotations: the extender's and the node daemon's. */}}
+{{- define "kxpu.sharing.trustedUsers" -}}
+{{- $users := list (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "kxpu.scheduler.name" .)) (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "kxpu.plugin.serviceAccountName" .)) }}
+{{- toYaml (concat $users .Values.sharing.extraTrustedUsers) }}
 {{- end }}
