@@ -196,3 +196,26 @@ async def test_concurrent_binds_never_overcommit(
     node = scheduler.state.node("idle")
     assert node is not None
     assert all(s.memory <= s.device.memory_capacity_mib for s in node.families["nvidia.com/gpu"])
+
+
+async def test_nothing_is_decided_before_the_caches_sync() -> None:
+    """An extender that restarted must not see devices as emptier than they are."""
+    cluster = FakeCluster()
+    state = ClusterState(["nvidia.com/gpu"])
+    state.set_node("idle", {inv.annotation_key("nvidia.com/gpu"): inv.encode(inventory(count=2))})
+    scheduler = Scheduler(state, [GPU], keys=lambda: cluster.keyring, api=cluster)
+    synced = {"yes": False}
+    client = TestClient(TestServer(make_app(scheduler, lambda: synced["yes"])))
+    await client.start_server()
+    try:
+        cluster.add_pod(pod("early", [{"nvidia.com/gpumem": 1000}]))
+        body = await (await client.post("/filter", json={"Pod": pod("early"), "NodeNames": ["idle"]})).json()
+        assert "not synced" in body["Error"]
+        bound = {"PodName": "early", "PodNamespace": "default", "PodUID": "uid-default-early", "Node": "idle"}
+        assert "not synced" in (await (await client.post("/bind", json=bound)).json())["Error"]
+        assert (await client.get("/readyz")).status == 503
+        synced["yes"] = True
+        body = await (await client.post("/filter", json={"Pod": pod("early"), "NodeNames": ["idle"]})).json()
+        assert body["Error"] == "" and body["NodeNames"] == ["idle"]
+    finally:
+        await client.close()

@@ -203,7 +203,9 @@ async def test_webhook_counts_patches_and_times_admissions(
         assert (await response.json())["response"]["patchType"] == "JSONPatch"
     async with session.post(f"{url}/mutate", json=review(pod("plain", [{"cpu": 1}]))) as response:
         assert "patch" not in (await response.json())["response"]
-    async with session.post(f"{url}/validate", json=review(pod("ok", [{"nvidia.com/gpu": 1}]))) as response:
+    async with session.post(
+        f"{url}/validate", json=review(pod("ok", [{"nvidia.com/gpu": 1}], schedulerName="kxpu-scheduler"))
+    ) as response:
         assert (await response.json())["response"]["allowed"] is True
     after = await scrape(session, probe_url)
 

@@ -148,7 +148,27 @@ async def test_only_trusted_users_change_kxpu_annotations(server: Server) -> Non
     assert allowed["allowed"]
     same = await server.review("/validate", request(new, "UPDATE", new))  # unchanged: fine
     assert same["allowed"]
-    assert (await server.review("/validate", request(pod("ok", [{"nvidia.com/gpumem": 10}]))))["allowed"]
+    ok = pod("ok", [{"nvidia.com/gpumem": 10}], schedulerName="kxpu-scheduler")
+    assert (await server.review("/validate", request(ok)))["allowed"]
+
+
+async def test_shared_pods_must_use_the_kxpu_scheduler(server: Server) -> None:
+    other = pod("o", [{"nvidia.com/gpumem": 10}], schedulerName="volcano")
+    denied = await server.review("/validate", request(other))
+    assert not denied["allowed"] and "schedulerName 'kxpu-scheduler'" in denied["status"]["message"]
+    plain = pod("plain", [{"cpu": 1}], schedulerName="volcano")  # not asking for shared devices
+    assert (await server.review("/validate", request(plain)))["allowed"]
+
+
+async def test_only_kxpu_sets_or_removes_the_assigned_label(server: Server) -> None:
+    held = pod("h", [{"nvidia.com/gpu": 1}], schedulerName="kxpu-scheduler")
+    held["metadata"]["labels"] = {"kxpu.io/assigned": "true"}
+    freed = pod("h", [{"nvidia.com/gpu": 1}], schedulerName="kxpu-scheduler")
+    denied = await server.review("/validate", request(freed, "UPDATE", held))
+    assert not denied["allowed"] and "kxpu.io/assigned" in denied["status"]["message"]
+    assert (await server.review("/validate", request(freed, "UPDATE", held, user=TRUSTED[0])))["allowed"]
+    forged = await server.review("/validate", request(held))  # born with it
+    assert not forged["allowed"]
 
 
 async def test_certificates_rotate_without_a_restart(server: Server) -> None:

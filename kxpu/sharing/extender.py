@@ -108,8 +108,15 @@ def _nodes(args: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]] | None
     return [str((item.get("metadata") or {}).get("name", "")) for item in items], items
 
 
+NOT_SYNCED = "kxpu scheduler: node and pod caches not synced yet; retry"
+
+
 def make_app(scheduler: Scheduler, ready: Callable[[], bool] = lambda: True) -> web.Application:
+    # Until the caches hold every assigned pod, devices would look emptier than they are: decide
+    # nothing (kube-scheduler retries the pod) rather than over-commit.
     async def filter_(request: web.Request) -> web.Response:
+        if not ready():
+            return _json({"Error": NOT_SYNCED})
         args = await _args(request)
         pod = _field(args, "Pod") or {}
         names, items = _nodes(args)
@@ -148,6 +155,8 @@ def make_app(scheduler: Scheduler, ready: Callable[[], bool] = lambda: True) -> 
         return _json([{"Host": host, "Score": score} for host, score in scores])
 
     async def bind(request: web.Request) -> web.Response:
+        if not ready():
+            return _json({"Error": NOT_SYNCED})
         args = await _args(request)
         started = time.perf_counter()
         error = await scheduler.bind(

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 LOCK_PREFIX = "kxpu.io/lock."
+# On pods the extender bound with an assignment: the scheduler's pod watch selects on it, so only
+# kxpu may set or remove it (the webhook enforces that).
+ASSIGNED_POD_LABEL = "kxpu.io/assigned"
 ALLOCATED_PREFIX = "kxpu.io/allocated."
 
 

@@ -103,13 +103,20 @@ class SharingBackend(Backend):
         self._inventory_changed: asyncio.Event | None = None
         self._pending: dict[str, _Pending] = {}  # pod uid → progress
         self._background: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the background tasks run
         self._key = inventory.annotation_key(resource)
 
     # -- devices -------------------------------------------------------------------------------
 
     def _slots(self, parents: Sequence[Device]) -> list[Device]:
         self._parents = {d.id: d for d in parents}
-        return [replace(d, id=slot_id(d.id, n)) for d in parents for n in range(self.config.split_count)]
+        # Slots carry no NUMA topology: the extender already chose the device (numa-bind included);
+        # hints would let the kubelet's TopologyManager narrow the offer away from the assigned slots.
+        return [
+            replace(d, id=slot_id(d.id, n), numa_nodes=())
+            for d in parents
+            for n in range(self.config.split_count)
+        ]
 
     def discover(self) -> list[Device]:
         return self._slots(self.inner.discover())
@@ -327,7 +334,8 @@ class SharingBackend(Backend):
             )
 
     def _spawn(self, coro: Any) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._loop = asyncio.get_running_loop()
+        task: asyncio.Task[None] = self._loop.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -340,8 +348,11 @@ class SharingBackend(Backend):
         raise BackendError("shared devices are allocated through the signed-assignment handshake")
 
     def close(self) -> None:
-        for task in self._background:
-            task.cancel()
+        # The daemon calls close() from a worker thread: cancel on the loop, from a snapshot of the set.
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            for task in list(self._background):
+                loop.call_soon_threadsafe(task.cancel)
         if isinstance(self.inner, Closable):
             self.inner.close()
 

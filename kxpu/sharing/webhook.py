@@ -52,7 +52,7 @@ from aiohttp import web
 from kxpu.logs import get_logger
 from kxpu.sharing import probes
 from kxpu.sharing import webhook_metrics as metrics
-from kxpu.sharing.lock import ALLOCATED_PREFIX, LOCK_PREFIX
+from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, LOCK_PREFIX
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod, requested_names
 from kxpu.sharing.scheduler import BIND_PHASE_ANNOTATION
 from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION
@@ -113,7 +113,10 @@ def mutate(
 
 
 def validate(
-    request: Mapping[str, Any], families: Sequence[ResourceFamily], trusted_users: Sequence[str]
+    request: Mapping[str, Any],
+    families: Sequence[ResourceFamily],
+    trusted_users: Sequence[str],
+    scheduler_name: str | None = None,
 ) -> str | None:
     """Why an admission request must be denied (None: allowed)."""
     pod = request.get("object") or {}
@@ -122,6 +125,11 @@ def validate(
     operation = request.get("operation")
     annotations: Mapping[str, str] = (pod.get("metadata") or {}).get("annotations") or {}
     old_annotations: Mapping[str, str] = (old.get("metadata") or {}).get("annotations") or {}
+    label = ((pod.get("metadata") or {}).get("labels") or {}).get(ASSIGNED_POD_LABEL)
+    old_label = ((old.get("metadata") or {}).get("labels") or {}).get(ASSIGNED_POD_LABEL)
+    if user not in trusted_users and (label != old_label if operation == "UPDATE" else label is not None):
+        # Removing it would hide the pod from the scheduler's bookkeeping: its grant would look free.
+        return f"only the kxpu scheduler may set or remove the {ASSIGNED_POD_LABEL} label"
     if user not in trusted_users:
         if operation == "CREATE":
             carried = sorted(a for a in annotations if reserved(a))
@@ -155,6 +163,13 @@ def validate(
         parse_pod(pod, families)
     except RequestError as exc:
         return str(exc)
+    if scheduler_name is not None and spec.get("schedulerName") != scheduler_name:
+        # Another scheduler would place it without an assignment; on the node it could be taken for
+        # the pod the node lock names and be handed that pod's grant.
+        return (
+            f"pods asking for shared devices must use schedulerName {scheduler_name!r}, "
+            f"not {spec.get('schedulerName')!r}"
+        )
     return None
 
 
@@ -199,7 +214,7 @@ def make_app(
         started = time.perf_counter()
         if review.get("kind", {}).get("kind") != "Pod":
             return _answer("validate", started, _review(review, True), "allowed", "not-a-pod")
-        reason = validate(review, families, trusted_users)
+        reason = validate(review, families, trusted_users, scheduler_name)
         if reason:
             log.info("denied", pod=_name(review), reason=reason)
             answer = _review(review, False, reason)
