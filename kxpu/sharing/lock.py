@@ -27,6 +27,8 @@ LOCK_PREFIX = "kxpu.io/lock."
 # On pods the extender bound with an assignment: the scheduler's pod watch selects on it, so only
 # kxpu may set or remove it (the webhook enforces that).
 ASSIGNED_POD_LABEL = "kxpu.io/assigned"
+# Where a pod is between bind and admission ("allocating" → "allocated"), written by kxpu only.
+BIND_PHASE_ANNOTATION = "kxpu.io/bind-phase"
 ALLOCATED_PREFIX = "kxpu.io/allocated."
 
 

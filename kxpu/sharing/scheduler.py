@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from kxpu.logs import get_logger
 from kxpu.sharing.fit import Misfit, Placement, fit_pod
+from kxpu.sharing.lock import BIND_PHASE_ANNOTATION as BIND_PHASE_ANNOTATION  # re-exported
 from kxpu.sharing.model import Assignment, PodRequest, Policy
 from kxpu.sharing.policy import MAX_SCORE
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod
@@ -28,7 +29,6 @@ from kxpu.sharing.state import ClusterState
 
 log = get_logger("kxpu.sharing.scheduler")
 
-BIND_PHASE_ANNOTATION = "kxpu.io/bind-phase"
 _MEMO_SHAPES = 8
 _UNKNOWN = Misfit("node unknown to the kxpu scheduler (no inventory seen)")
 

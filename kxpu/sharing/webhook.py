@@ -52,9 +52,8 @@ from aiohttp import web
 from kxpu.logs import get_logger
 from kxpu.sharing import probes
 from kxpu.sharing import webhook_metrics as metrics
-from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, LOCK_PREFIX
+from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, BIND_PHASE_ANNOTATION, LOCK_PREFIX
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod, requested_names
-from kxpu.sharing.scheduler import BIND_PHASE_ANNOTATION
 from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION
 
 log = get_logger("kxpu.sharing.webhook")

@@ -20,8 +20,7 @@ from kxpu.sharing.kube.client import (
     post_event,
 )
 from kxpu.sharing.kube.keys import KeyStore
-from kxpu.sharing.lock import LockError, NodeLock, allocated_key, lock_key
-from kxpu.sharing.scheduler import BIND_PHASE_ANNOTATION
+from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, LockError, NodeLock, allocated_key, lock_key
 
 
 class KubeNodeLink:
