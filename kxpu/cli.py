@@ -399,7 +399,16 @@ def webhook(
     trusted = [*config.trusted_users, *trusted_users]
     _check_address("--metrics-address", metrics_address)
     asyncio.run(
-        serve(families, config.scheduler_name, trusted, address, tls_cert_file, tls_key_file, metrics_address)
+        serve(
+            families,
+            config.scheduler_name,
+            trusted,
+            address,
+            tls_cert_file,
+            tls_key_file,
+            metrics_address,
+            config.protected_env,
+        )
     )
 
 

@@ -199,3 +199,12 @@ def test_cli_commands_refuse_a_bad_control_plane_config(tmp_path: Path) -> None:
         result = CliRunner().invoke(main, [*args, "--config", str(bad)])
         assert result.exit_code == 2, result.output
         assert "nodePolicy" in result.output and "families.0.defaultCores" in result.output
+
+
+async def test_shared_containers_may_not_set_kxpus_env(server: Server) -> None:
+    p = pod("env", [{"nvidia.com/gpumem": 1000}], schedulerName="kxpu-scheduler")
+    p["spec"]["containers"][0]["env"] = [{"name": "CUDA_DEVICE_MEMORY_LIMIT_0", "value": "80000m"}]
+    denied = await server.review("/validate", request(p))
+    assert not denied["allowed"] and "CUDA_DEVICE_MEMORY_LIMIT_0" in denied["status"]["message"]
+    p["spec"]["containers"][0]["env"] = [{"name": "MY_SETTING", "value": "1"}]
+    assert (await server.review("/validate", request(p)))["allowed"]

@@ -48,6 +48,16 @@ from pydantic.alias_generators import to_camel
 from kxpu.sharing.model import Policy
 from kxpu.sharing.requests import ResourceFamily
 
+# Env a shared container must not set itself (globs): HAMi-core's limits and the visible-device lists.
+DEFAULT_PROTECTED_ENV = (
+    "CUDA_DEVICE_MEMORY_LIMIT*",
+    "CUDA_DEVICE_SM_LIMIT",
+    "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+    "KXPU_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "CUDA_VISIBLE_DEVICES",
+)
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
@@ -150,6 +160,9 @@ class ControlPlaneConfig(_Model):
             "system:serviceaccount:kxpu-system:kxpu-node",
         ]
     )
+
+    # env names (globs) a shared container may not set itself; the webhook denies them
+    protected_env: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECTED_ENV))
 
     def resource_families(self) -> list[ResourceFamily]:
         return [f.family() for f in self.families]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fnmatch
 import json
 import ssl
 import time
@@ -52,6 +53,7 @@ from aiohttp import web
 from kxpu.logs import get_logger
 from kxpu.sharing import probes
 from kxpu.sharing import webhook_metrics as metrics
+from kxpu.sharing.config import DEFAULT_PROTECTED_ENV
 from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, BIND_PHASE_ANNOTATION, LOCK_PREFIX
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod, requested_names
 from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION
@@ -116,6 +118,7 @@ def validate(
     families: Sequence[ResourceFamily],
     trusted_users: Sequence[str],
     scheduler_name: str | None = None,
+    protected_env: Sequence[str] = DEFAULT_PROTECTED_ENV,
 ) -> str | None:
     """Why an admission request must be denied (None: allowed)."""
     pod = request.get("object") or {}
@@ -154,6 +157,15 @@ def validate(
                 f"container {container.get('name')!r} is privileged and asks for {', '.join(sorted(asked))}: "
                 "a privileged container sees every device, so sharing limits cannot hold"
             )
+        # The kubelet appends the pod's env after the device plugin's: a container setting these
+        # itself could lift its limits or widen its devices (envFrom cannot be checked here).
+        own = [str(e.get("name", "")) for e in container.get("env") or []]
+        clash = sorted(n for n in own if any(fnmatch.fnmatchcase(n, p) for p in protected_env))
+        if clash:
+            return (
+                f"container {container.get('name')!r} sets {', '.join(clash)}, which kxpu sets from the "
+                "pod's assignment"
+            )
     if spec.get("nodeName"):
         return (
             "pods asking for shared devices must be scheduled by the kxpu scheduler, not have nodeName preset"
@@ -185,7 +197,10 @@ def _review(
 
 
 def make_app(
-    families: Sequence[ResourceFamily], scheduler_name: str, trusted_users: Sequence[str] = ()
+    families: Sequence[ResourceFamily],
+    scheduler_name: str,
+    trusted_users: Sequence[str] = (),
+    protected_env: Sequence[str] = DEFAULT_PROTECTED_ENV,
 ) -> web.Application:
     async def body(request: web.Request) -> dict[str, Any]:
         try:
@@ -213,7 +228,7 @@ def make_app(
         started = time.perf_counter()
         if review.get("kind", {}).get("kind") != "Pod":
             return _answer("validate", started, _review(review, True), "allowed", "not-a-pod")
-        reason = validate(review, families, trusted_users, scheduler_name)
+        reason = validate(review, families, trusted_users, scheduler_name, protected_env)
         if reason:
             log.info("denied", pod=_name(review), reason=reason)
             answer = _review(review, False, reason)
@@ -291,10 +306,11 @@ async def serve(
     cert: Path,
     key: Path,
     metrics_address: str = "",
+    protected_env: Sequence[str] = DEFAULT_PROTECTED_ENV,
 ) -> None:
     """Serve HTTPS on ``address`` (and plain-HTTP metrics and probes on ``metrics_address``) until cancelled."""
     tls = ReloadingTLS(cert, key)
-    runner = web.AppRunner(make_app(families, scheduler_name, trusted_users), access_log=None)
+    runner = web.AppRunner(make_app(families, scheduler_name, trusted_users, protected_env), access_log=None)
     await runner.setup()
     host, _, port = address.rpartition(":")
     await web.TCPSite(runner, host or "0.0.0.0", int(port), ssl_context=tls.context).start()
