@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import yaml
+from measure import cpu_seconds, percentile, rss_mb
 
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.process import DaemonProcess
@@ -38,23 +39,6 @@ TARGETS = {
     "rss_mb": 60.0,
     "idle_cpu_percent": 1.0,
 }
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def run(

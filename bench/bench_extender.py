@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from measure import percentile
 
 from kxpu.logs import configure_logging
 from kxpu.sharing.extender import make_app, tune_gc
@@ -44,11 +45,6 @@ GPU = ResourceFamily.derived("nvidia.com/gpu")
 DEVICES_PER_NODE = 8
 DEVICE_MIB = 16384
 TARGET_P99_MS_1000 = 20.0
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def populated_state(nodes: int, rng: random.Random) -> ClusterState:

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from measure import cpu_seconds, percentile, rss_mb
+
 from kxpu.backends.nvidia import NvidiaBackend, NvidiaConfig
 from kxpu.backends.nvidia.nvml import NvmlSource
 from kxpu.logs import configure_logging
@@ -46,23 +48,6 @@ TARGETS = {
     "rss_mb": 80.0,
     "idle_cpu_percent": 1.0,
 }
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def build(fake: FakeNvml) -> NvidiaBackend:
