@@ -121,7 +121,7 @@ class ResourceRunner:
             metrics.forget_resource(self.config.name, self.snapshot.devices)
 
     async def _run_once(self) -> None:
-        backend = await asyncio.to_thread(self.build, self.config)
+        backend = await self._build_backend()
         try:
             self.snapshot = DeviceSnapshot()
             await self._update(await asyncio.to_thread(backend.discover))
@@ -140,6 +140,16 @@ class ResourceRunner:
         finally:
             if isinstance(backend, Closable):
                 await asyncio.to_thread(backend.close)
+
+    async def _build_backend(self) -> Backend:
+        """Build in a worker thread; if we are cancelled meanwhile (stop, reload), the thread still
+        finishes, and what it built is closed then rather than leaked (an NVML handle, a thread)."""
+        building = asyncio.ensure_future(asyncio.to_thread(self.build, self.config))
+        try:
+            return await asyncio.shield(building)
+        except asyncio.CancelledError:
+            building.add_done_callback(_close_built)
+            raise
 
     async def _follow(self, backend: Watcher) -> None:
         async for devices in backend.watch():
@@ -253,6 +263,17 @@ class ResourceRunner:
     async def _wait_poke(self, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._poked.wait(), timeout)
+
+
+def _close_built(building: asyncio.Future[Backend]) -> None:
+    if building.cancelled() or building.exception() is not None:
+        return
+    backend = building.result()
+    if isinstance(backend, Closable):
+        try:
+            backend.close()
+        except Exception:
+            log.exception("closing a backend built after its resource stopped failed")
 
 
 def _rpc_reason(exc: grpc.RpcError) -> str:
