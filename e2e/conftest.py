@@ -130,6 +130,7 @@ class E2E:
         self.label = re.sub(r"[^a-z0-9-]", "-", name.lower())[:50].strip("-")
         self.daemons: list[Kxpu] = []
         self.pods: list[kube.PodSpec] = []
+        self.logs: dict[str, Path] = {}  # more logs for a failed test's report (e.g. control-plane processes)
 
     def kxpu(self, resources: list[dict[str, Any]], start: bool = True) -> Kxpu:
         """Write a kxpu config (JSON is YAML) and start a daemon for it."""
@@ -192,6 +193,8 @@ def pytest_runtest_makereport(
         ctx = item.stash.get(_CONTEXT_KEY, None)
         for daemon in ctx.daemons if ctx else []:
             report.sections.append((f"kxpu log {daemon.log}", tail_file(daemon.log, 80)))
+        for name, path in ctx.logs.items() if ctx else []:
+            report.sections.append((f"{name} log {path}", tail_file(path, 80)))
         for component in ("kubelet", "containerd", "kube-scheduler"):
             text = _relevant(tail_file(_CLUSTER.log_file(component), 400), 60)
             report.sections.append((f"{component} log {_CLUSTER.log_file(component)}", text))

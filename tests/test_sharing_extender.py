@@ -35,6 +35,7 @@ async def setup() -> AsyncIterator[tuple[TestClient[Any, Any], Scheduler, FakeCl
     cluster.add_pod(pod("filler", [{"nvidia.com/gpumem": 8000, "nvidia.com/gpucores": 50}]))
     assert await scheduler.bind("default", "filler", "uid-default-filler", "busy") == ""
     await cluster.release_lock("busy", "nvidia.com/gpu", _ref("filler"))
+    state.set_node("busy", {key: inv.encode(inventory(count=2))})  # the node watch: the lock is gone
     ready = {"synced": False}
     client = TestClient(TestServer(make_app(scheduler, lambda: ready["synced"])))
     await client.start_server()
@@ -89,6 +90,24 @@ async def test_prioritize_scores_by_policy_and_annotation(
     ).json()
     by_host = {s["Host"]: s["Score"] for s in scores}
     assert by_host["idle"] > by_host["busy"]
+
+
+async def test_a_locked_node_scores_zero_until_its_lock_is_released(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    """A bind there would wait for the lock holder's Allocate: kube-scheduler should prefer another node."""
+    client, scheduler, cluster = setup
+    p = pod("p", [{"nvidia.com/gpumem": 1000}])
+    before = await (await client.post("/prioritize", json={"Pod": p, "NodeNames": ["busy"]})).json()
+    assert before[0]["Score"] > 0
+    cluster.add_pod(pod("next", [{"nvidia.com/gpumem": 1000}]))
+    assert await scheduler.bind("default", "next", "uid-default-next", "busy") == ""
+    after = await (await client.post("/prioritize", json={"Pod": p, "NodeNames": ["busy"]})).json()
+    assert after[0]["Score"] == 0  # locked by "next" until its Allocate
+    key = inv.annotation_key("nvidia.com/gpu")
+    scheduler.state.set_node("busy", {key: inv.encode(inventory(count=2))})  # the watch: lock released
+    released = await (await client.post("/prioritize", json={"Pod": p, "NodeNames": ["busy"]})).json()
+    assert released[0]["Score"] > 0
 
 
 async def test_pods_not_asking_for_shared_devices_pass_untouched(

@@ -162,8 +162,16 @@ class Scheduler:
             return [(n, 0) for n in nodes]
         if not requests:
             return [(n, 0) for n in nodes]
+        # A node whose lock a pod holds (bound, not yet allocated) scores 0: kube-scheduler binds this pod
+        # elsewhere rather than into a LockBusy and a retry (in a burst, binpack would aim every pod at it).
+        locked = self.state.locked
         return [
-            (node, max(0, min(MAX_SCORE, round(result.score))) if isinstance(result, Placement) else 0)
+            (
+                node,
+                max(0, min(MAX_SCORE, round(result.score)))
+                if isinstance(result, Placement) and not locked(node)
+                else 0,
+            )
             for node, result in self._fit_nodes(requests, nodes)
         ]
 
@@ -226,6 +234,7 @@ class Scheduler:
             for resource in sorted(assignment.resources):
                 await self.api.acquire_lock(node, resource, ref)
                 locked.append(resource)
+                self.state.mark_locked(node)
             signature = sign(assignment, self.keys())
             await self.api.annotate_pod(
                 ref,

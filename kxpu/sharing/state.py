@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kxpu.logs import get_logger
 from kxpu.sharing import inventory
 from kxpu.sharing.fit import NodeState
+from kxpu.sharing.lock import lock_key
 from kxpu.sharing.model import Assignment, NodeInventory
 
 log = get_logger("kxpu.sharing.state")
@@ -43,12 +44,18 @@ class ClusterState:
         self._pods: dict[str, Assignment] = {}  # uid → assignment of a live pod
         self._assumed: dict[str, Assignment] = {}
         self._by_node: dict[str, set[str]] = {}  # node → uids in _pods or _assumed
+        self._lock_keys = tuple(lock_key(r) for r in self.resources)
+        self._locked: set[str] = set()  # nodes whose lock (any family) a pod holds between bind and Allocate
         self.generation = 0  # moves on every change of any node's devices or usage
 
     # -- nodes ---------------------------------------------------------------------------------
 
     def set_node(self, name: str, annotations: Mapping[str, str]) -> None:
         """A node was added or changed: decode the inventories whose annotation text changed."""
+        if any(key in annotations for key in self._lock_keys):
+            self._locked.add(name)
+        else:
+            self._locked.discard(name)
         entry = self._nodes.get(name)
         if entry is None:
             entry = self._nodes[name] = _NodeEntry(NodeState(name), {}, {})
@@ -94,6 +101,7 @@ class ClusterState:
 
     def remove_node(self, name: str) -> None:
         self._nodes.pop(name, None)
+        self._locked.discard(name)
         self.generation += 1
 
     def node(self, name: str) -> NodeState | None:
@@ -109,6 +117,14 @@ class ClusterState:
                 fresh.version = -1
                 return fresh
         return entry.state
+
+    def locked(self, name: str) -> bool:
+        """Whether a pod holds the node's lock, as last seen (a bind there would wait for its Allocate)."""
+        return name in self._locked
+
+    def mark_locked(self, name: str) -> None:
+        """We just took the node's lock: count it before the node watch shows it."""
+        self._locked.add(name)
 
     @property
     def node_names(self) -> list[str]:

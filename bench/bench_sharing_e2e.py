@@ -1,0 +1,249 @@
+"""End-to-end scheduling throughput of fractional sharing: real kube-scheduler + ``kxpu scheduler``, API-only nodes.
+
+On the e2e harness cluster (taken under its lock; brought up and down here if it was not running), 500 Node
+objects are created through the API server with a published kxpu inventory (4 devices of 16000 MiB, split 10)
+and allocatable slots; no kubelet serves them, so pods are measured until they are *bound*, not Running. A
+second kube-scheduler calls the extender (filter, prioritize, bind with the node lock and the signed
+assignment). The node side of the handshake is stood in for: when a pod is bound, this process does what the
+node daemon does after Allocate (marks the pod allocated and releases the node lock), so a node takes its next
+pod as a real one would. Pods are created by ``--concurrency`` concurrent clients, as fast as the API server
+takes them.
+
+Reported: pods bound per second (from the first create to the last bind) and the bind latency (create
+answered → binding seen by a watch), p50/p99. Target: >= 50 pods/s. Everything created is deleted.
+
+``python bench/bench_sharing_e2e.py [--nodes 500] [--pods 1000] [--policy spread] [--json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lightkube import AsyncClient, codecs
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Node, Pod
+from lightkube.types import PatchType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from measure import cpu_seconds, percentile
+
+from e2e.cluster import Cluster, exclusive
+from e2e.sharing_support import CORES, MEM, NS, RES, SCHEDULER, SPLIT, Sharing
+from kxpu.sharing import inventory
+from kxpu.sharing.kube.api import release
+from kxpu.sharing.kube.client import SHARING_NODE_LABEL
+from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, allocated_key
+from kxpu.sharing.model import NodeInventory, SharedDevice
+
+BENCH_LABEL = "kxpu-bench"
+DEVICES_PER_NODE = 4
+DEVICE_MIB = 16000
+TARGET_PODS_PER_S = 50.0
+
+
+def node_inventory(name: str) -> str:
+    devices = tuple(
+        SharedDevice(
+            id=f"{name}-npu-{i}",
+            uuid=f"NPU-{name}-{i}",
+            model="bench-npu",
+            memory_mib=DEVICE_MIB,
+            memory_capacity_mib=DEVICE_MIB,
+            core_capacity=100,
+            split_count=SPLIT,
+            numa=0,
+            healthy=True,
+            index=i,
+        )
+        for i in range(DEVICES_PER_NODE)
+    )
+    return inventory.encode(NodeInventory(RES, devices, time.time()))
+
+
+async def create_node(client: AsyncClient, name: str) -> None:
+    meta = ObjectMeta(
+        name=name,
+        labels={BENCH_LABEL: "true", SHARING_NODE_LABEL: "true"},
+        annotations={inventory.annotation_key(RES): node_inventory(name)},
+    )
+    await client.create(Node(metadata=meta))
+    slots = str(DEVICES_PER_NODE * SPLIT)
+    resources = {"cpu": "64", "memory": "256Gi", "pods": "250", RES: slots}
+    status = {"status": {"capacity": resources, "allocatable": resources}}
+    await client.patch(Node.Status, name, status, patch_type=PatchType.MERGE)
+
+
+def pod_manifest(name: str) -> dict[str, Any]:
+    limits = {RES: "1", MEM: "1000", CORES: "10"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {BENCH_LABEL: "true"}},
+        "spec": {
+            "schedulerName": SCHEDULER,
+            "tolerations": [{"operator": "Exists"}],  # the API-only nodes get not-ready taints
+            "containers": [{"name": "main", "image": "none", "resources": {"limits": limits}}],
+        },
+    }
+
+
+async def gather_limited(limit: int, coros: list[Any]) -> None:
+    gate = asyncio.Semaphore(limit)
+
+    async def one(coro: Any) -> None:
+        async with gate:
+            await coro
+
+    await asyncio.gather(*(one(c) for c in coros))
+
+
+async def stand_in_node(client: AsyncClient, pod: Pod) -> None:
+    """What the node daemon does once a pod's last container is allocated: mark it, release the lock."""
+    meta = pod.metadata
+    assert meta is not None and pod.spec is not None and pod.spec.nodeName
+    patch = {
+        "metadata": {
+            "annotations": {allocated_key(RES): str(int(time.time())), BIND_PHASE_ANNOTATION: "allocated"}
+        }
+    }
+    await client.patch(Pod, str(meta.name), patch, namespace=NS, patch_type=PatchType.MERGE)
+    await release(client, pod.spec.nodeName, RES, str(meta.uid))
+
+
+async def measure(client: AsyncClient, pods: int, concurrency: int, timeout: float) -> dict[str, float]:
+    created: dict[str, float] = {}
+    bound: dict[str, float] = {}
+    done = asyncio.Event()
+    node_side: set[asyncio.Task[None]] = set()
+
+    async def watch() -> None:
+        async for _, pod in client.watch(Pod, namespace=NS, labels={BENCH_LABEL: "true"}):
+            name = str(pod.metadata.name) if pod.metadata else ""
+            if name in bound or pod.spec is None or not pod.spec.nodeName:
+                continue
+            bound[name] = time.perf_counter()
+            task = asyncio.create_task(stand_in_node(client, pod))
+            node_side.add(task)
+            task.add_done_callback(node_side.discard)
+            if len(bound) == pods:
+                done.set()
+
+    async def create(name: str) -> None:
+        await client.create(codecs.from_dict(pod_manifest(name)))
+        created[name] = time.perf_counter()
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0.5)  # the watch is open before the first pod
+    start = time.perf_counter()
+    await gather_limited(concurrency, [create(f"bench-{i:05d}") for i in range(pods)])
+    created_all = time.perf_counter()
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    except TimeoutError:
+        print(f"timed out: {len(bound)}/{pods} bound after {timeout:.0f}s", file=sys.stderr)
+    end = max(bound.values(), default=time.perf_counter())
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    await asyncio.gather(*node_side, return_exceptions=True)
+    latencies = [(bound[n] - created[n]) * 1000 for n in bound if n in created]
+    return {
+        "pods": pods,
+        "bound": len(bound),
+        "create_s": round(created_all - start, 2),
+        "total_s": round(end - start, 2),
+        "pods_per_s": round(len(bound) / (end - start), 1),
+        "bind_p50_ms": round(percentile(latencies, 50), 1) if latencies else float("nan"),
+        "bind_p99_ms": round(percentile(latencies, 99), 1) if latencies else float("nan"),
+    }
+
+
+async def run(args: argparse.Namespace, sharing: Sharing) -> dict[str, float]:
+    client = AsyncClient(field_manager="kxpu-bench")
+    names = [f"kxpu-bench-{i:04d}" for i in range(args.nodes)]
+    try:
+        t0 = time.perf_counter()
+        await gather_limited(16, [create_node(client, n) for n in names])
+        print(f"{args.nodes} nodes created in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        await asyncio.sleep(2)  # the extender's node watch catches up
+        procs = {"extender": sharing.extender.proc, "kube_scheduler": sharing.scheduler.proc}
+        pids = {name: proc.pid for name, proc in procs.items() if proc is not None}
+        for component in ("kube-apiserver", "etcd"):  # the rest of the machine's two cores' work
+            pid = sharing.cluster.pid(component)
+            if pid is not None:
+                pids[component.replace("-", "_")] = pid
+        pids["bench"] = os.getpid()
+        cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        result = await measure(client, args.pods, args.concurrency, args.timeout)
+        for name, pid in pids.items():
+            result[f"{name}_cpu_s"] = round(cpu_seconds(pid) - cpu[name], 2)
+        return result
+    finally:
+        sharing.cluster.kubectl(
+            "delete", "pods", "-n", NS, "-l", f"{BENCH_LABEL}=true", "--grace-period=0", "--force",
+            "--wait=false", check=False, timeout=300,
+        )  # fmt: skip
+        sharing.cluster.kubectl("delete", "nodes", "-l", f"{BENCH_LABEL}=true", check=False, timeout=300)
+        await client.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=500)
+    parser.add_argument("--pods", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=32, help="concurrent pod creates")
+    parser.add_argument("--policy", choices=["spread", "binpack"], default="spread", help="node policy")
+    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root: it uses the e2e cluster", file=sys.stderr)
+        return 2
+    cluster = Cluster.default()
+    with exclusive(900, "bench_sharing_e2e"):
+        reuse = cluster.state.exists() and all(cluster.running().values())
+        if not reuse:
+            cluster.up()
+        os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+        work = Path(tempfile.mkdtemp(prefix="kxpu-bench-sharing-"))
+        sharing = Sharing(
+            cluster, work, node_policy=args.policy, inventory_stale_s=3600, client_qps=500, log_level="info"
+        )
+        try:
+            sharing.start(node=False)
+            result = asyncio.run(run(args, sharing))
+        except BaseException:
+            for name, path in sharing.logs.items():
+                print(f"--- {name}: {path}", file=sys.stderr)
+            raise
+        finally:
+            sharing.close()
+            if not reuse:
+                cluster.down()
+    report: dict[str, Any] = {"nodes": args.nodes, "policy": args.policy, **result}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(
+            f"{report['bound']}/{report['pods']} pods bound on {args.nodes} API-only nodes ({args.policy}) in "
+            f"{report['total_s']}s (creates took {report['create_s']}s): {report['pods_per_s']} pods/s "
+            f"(target >= {TARGET_PODS_PER_S:.0f}); bind latency p50 {report['bind_p50_ms']} ms, "
+            f"p99 {report['bind_p99_ms']} ms"
+        )
+        cpu = {k.removesuffix("_cpu_s"): v for k, v in report.items() if k.endswith("_cpu_s")}
+        print("CPU seconds used meanwhile: " + ", ".join(f"{k} {v}" for k, v in cpu.items()))
+    return 0 if result["pods_per_s"] >= TARGET_PODS_PER_S and result["bound"] == result["pods"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""The fractional-sharing chain on the e2e cluster, as fixtures: what ``examples/sharing/smoke.py`` sets up by hand.
+
+A second kube-scheduler (profile ``kxpu-e2e-sharing``, its own secure port) calls ``kxpu scheduler`` as its
+extender; ``kxpu webhook`` serves TLS behind a Mutating and a ValidatingWebhookConfiguration scoped to the
+namespace ``kxpu-sharing``; the node daemon shares two simulated NPUs (memory and cores) in ``splitCount``
+slots with a key from a Secret. The test user is an impersonated tenant, so the webhook treats it as any
+untrusted user would be treated; the extender and the daemon run as the admin, which the webhook trusts.
+The namespace ``kxpu-sharing-raw`` is left out of the webhook to show what the node refuses on its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import secrets
+import signal
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trustme
+
+from e2e import kube
+from e2e.cluster import NODE_NAME, REPO, TEST_IMAGE, Cluster, tail_file
+from kxpu.sharing import signing
+from kxpu.sharing.inventory import annotation_key
+from kxpu.sharing.lock import lock_key
+from kxpu.sharing.model import Assignment
+
+RES = "sharing.kxpu.io/npu"
+MEM = RES + "mem"
+CORES = RES + "cores"
+NS = "kxpu-sharing"
+RAW_NS = "kxpu-sharing-raw"
+SCHEDULER = "kxpu-e2e-sharing"
+TENANT = "kxpu-e2e-tenant"  # impersonated by the tests: not trusted by the webhook
+DEVICES = 2
+MEMORY_MIB = 16000
+SPLIT = 10
+LOCK_TIMEOUT_S = 4  # an unbound pod's lock expires this fast (the extender-restart scenario relies on it)
+ALLOCATE_TIMEOUT_S = 3  # how long the node waits for a lock naming the pod before refusing Allocate
+EXTENDER_PORT, WEBHOOK_PORT, SCHEDULER_PORT, DAEMON_PORT = 18890, 18445, 10360, 19401
+EXTENDER_METRICS_PORT, WEBHOOK_METRICS_PORT = 19411, 19412
+REPORT_END = "end-of-report"
+REPORT = f"env | grep -E '^(CUDA_|NPU_)' | sort; echo {REPORT_END}"
+
+
+class Proc:
+    """One host process of the chain, restartable, with a log that survives restarts."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: Mapping[str, str]) -> None:
+        self.name, self.argv, self.log, self.env = name, argv, log, dict(env)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            out.write(f"--- start {time.strftime('%H:%M:%S')}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=REPO,
+            )
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 15) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+    def check_alive(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            raise AssertionError(f"{self.name} exited; log tail:\n{tail_file(self.log, 40)}")
+
+
+def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+    with urllib.request.urlopen(url, timeout=2, context=context) as resp:
+        return bool(resp.status == 200)
+
+
+def _accepts(option: str, command: str) -> bool:
+    """Whether this kxpu's subcommand has ``option`` (the metrics listeners are newer than the chain)."""
+    out = subprocess.run(
+        [str(REPO / ".venv/bin/kxpu"), command, "--help"], capture_output=True, text=True, timeout=60
+    )
+    return option in out.stdout
+
+
+@dataclass(frozen=True)
+class Granted:
+    """One container's share as the pod's signed assignment and the container's environment both say."""
+
+    pod: str
+    uuids: tuple[str, ...]
+    memory_mib: int
+    cores: int
+
+
+class Sharing:
+    """The running chain; ``start`` brings it up and waits for every part, ``close`` removes all of it."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        work: Path,
+        node_policy: str = "binpack",
+        inventory_stale_s: float = 120,
+        client_qps: int = 50,
+        log_level: str = "debug",
+    ) -> None:
+        """``node_policy``, ``inventory_stale_s``, ``client_qps`` (kube-scheduler's), ``log_level`` (kxpu's) are
+        for the benchmark."""
+        self.cluster, self.work = cluster, work
+        self.node_policy, self.inventory_stale_s, self.client_qps = node_policy, inventory_stale_s, client_qps
+        self.log_level = log_level
+        self.key = secrets.token_urlsafe(48).encode()
+        kubeconfig = str(cluster.kubeconfig)
+        self.env = {
+            "KUBECONFIG": kubeconfig,
+            "NODE_NAME": NODE_NAME,
+            "PATH": "/usr/bin:/bin",
+            "HOME": "/root",
+        }
+        kx = str(REPO / ".venv/bin/kxpu")
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1")
+        cert.private_key_pem.write_to_path(str(work / "tls.key"))
+        cert.cert_chain_pems[0].write_to_path(str(work / "tls.crt"))
+        self.ca_pem = ca.cert_pem.bytes()
+        self._write_configs()
+        extender_metrics: list[str] = []
+        webhook_metrics: list[str] = []
+        if _accepts("--metrics-address", "scheduler"):
+            extender_metrics = ["--metrics-address", f"127.0.0.1:{EXTENDER_METRICS_PORT}"]
+        if _accepts("--metrics-address", "webhook"):
+            webhook_metrics = ["--metrics-address", f"127.0.0.1:{WEBHOOK_METRICS_PORT}"]
+        cp = str(work / "control-plane.yaml")
+        self.daemon = self._proc(
+            "node-daemon",
+            [kx, "plugin", "--config", str(work / "node.yaml"), "--http-address", f"127.0.0.1:{DAEMON_PORT}"],
+        )
+        self.extender = self._proc(
+            "extender",
+            [kx, "scheduler", "--config", cp, "--address", f"127.0.0.1:{EXTENDER_PORT}", *extender_metrics],
+        )
+        self.webhook = self._proc(
+            "webhook",
+            [
+                kx,
+                "webhook",
+                "--config",
+                cp,
+                "--address",
+                f"127.0.0.1:{WEBHOOK_PORT}",
+                "--tls-cert-file",
+                str(work / "tls.crt"),
+                "--tls-key-file",
+                str(work / "tls.key"),
+                *webhook_metrics,
+            ],
+        )
+        self.scheduler = self._proc(
+            "kube-scheduler-sharing",
+            [
+                str(cluster.k8s_bin / "kube-scheduler"),
+                "--config",
+                str(work / "kube-scheduler.yaml"),
+                "--secure-port",
+                str(SCHEDULER_PORT),
+                "--v",
+                "2",
+            ],
+        )
+
+    def _proc(self, name: str, argv: list[str]) -> Proc:
+        level = ["--log-level", self.log_level] if argv[0].endswith("/kxpu") else []
+        return Proc(name, argv + level, self.work / f"{name}.log", self.env)
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [self.daemon, self.extender, self.webhook, self.scheduler]
+
+    @property
+    def logs(self) -> dict[str, Path]:
+        return {p.name: p.log for p in self.procs}
+
+    def _write_configs(self) -> None:
+        key_ref = {"secret": f"{NS}/keys"}
+        node = {
+            "version": "v1",
+            "resources": [
+                {
+                    "name": RES,
+                    "simulated": {"count": DEVICES, "model": "snpu", "memoryMiB": MEMORY_MIB, "cores": 64},
+                    "sharing": {
+                        "splitCount": SPLIT,
+                        "signingKey": key_ref,
+                        "publishIntervalSeconds": 5,
+                        "visibleDevicesEnv": "NPU_VISIBLE_DEVICES",
+                        "allocateTimeoutSeconds": ALLOCATE_TIMEOUT_S,
+                    },
+                }
+            ],
+        }
+        control_plane = {
+            "version": "v1",
+            "families": [{"resource": RES}],
+            "schedulerName": SCHEDULER,
+            "nodePolicy": self.node_policy,
+            "devicePolicy": "binpack",
+            "inventoryStaleSeconds": self.inventory_stale_s,
+            "signingKey": key_ref,
+            "lockTimeoutSeconds": LOCK_TIMEOUT_S,
+            "trustedUsers": ["kubernetes-admin"],
+        }
+        managed = [{"name": RES, "ignoredByScheduler": False}] + [
+            {"name": RES + suffix, "ignoredByScheduler": True}
+            for suffix in ("mem", "mem-percentage", "cores")
+        ]
+        scheduler = {
+            "apiVersion": "kubescheduler.config.k8s.io/v1",
+            "kind": "KubeSchedulerConfiguration",
+            "clientConnection": {
+                "kubeconfig": str(self.cluster.kubeconfig),
+                "qps": self.client_qps,
+                "burst": 2 * self.client_qps,
+            },
+            "leaderElection": {"leaderElect": False},
+            # quick retries: a bind refused while the extender restarts or the node is locked comes back soon
+            "podInitialBackoffSeconds": 1,
+            "podMaxBackoffSeconds": 2,
+            "profiles": [{"schedulerName": SCHEDULER}],
+            "extenders": [
+                {
+                    "urlPrefix": f"http://127.0.0.1:{EXTENDER_PORT}",
+                    "filterVerb": "filter",
+                    "prioritizeVerb": "prioritize",
+                    "bindVerb": "bind",
+                    "weight": 1,
+                    "nodeCacheCapable": True,
+                    "enableHTTPS": False,
+                    "httpTimeout": "10s",
+                    "managedResources": managed,
+                }
+            ],
+        }
+        for name, doc in (("node", node), ("control-plane", control_plane), ("kube-scheduler", scheduler)):
+            (self.work / f"{name}.yaml").write_text(json.dumps(doc, indent=2) + "\n")
+
+    def _webhooks(self) -> str:
+        bundle = base64.b64encode(self.ca_pem).decode()
+        docs = []
+        for kind, path, ops in (
+            ("Mutating", "/mutate", ["CREATE"]),
+            ("Validating", "/validate", ["CREATE", "UPDATE"]),
+        ):
+            hook = {
+                "name": f"{kind.lower()}.e2e-sharing.kxpu.io",
+                "admissionReviewVersions": ["v1"],
+                "sideEffects": "None",
+                "failurePolicy": "Fail",
+                "timeoutSeconds": 10,
+                "clientConfig": {"url": f"https://127.0.0.1:{WEBHOOK_PORT}{path}", "caBundle": bundle},
+                "rules": [
+                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ops, "resources": ["pods"]}
+                ],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NS}},
+            }
+            docs.append(
+                {
+                    "apiVersion": "admissionregistration.k8s.io/v1",
+                    "kind": f"{kind}WebhookConfiguration",
+                    "metadata": {"name": "kxpu-e2e-sharing"},
+                    "webhooks": [hook],
+                }
+            )
+        return json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def start(self, node: bool = True) -> None:
+        """Everything, or (``node=False``, for API-only nodes) the key, extender and kube-scheduler."""
+        k = self.cluster.kubectl
+        for ns in (NS, RAW_NS):  # an earlier run's namespace may still be terminating
+            k("delete", "namespace", ns, "--ignore-not-found", "--wait=true", "--timeout=90s", timeout=120)
+            k("create", "namespace", ns)
+        k("-n", NS, "create", "secret", "generic", "keys", f"--from-literal=keys={self.key.decode()}")
+        for proc in self.procs if node else [self.extender, self.scheduler]:
+            proc.start()
+        if node:
+            k("apply", "-f", "-", input=self._webhooks())
+            self.wait_node_ready()
+        kube.wait_until("extender /readyz", lambda: _http_ok(f"http://127.0.0.1:{EXTENDER_PORT}/readyz"), 60)
+        insecure = ssl.create_default_context()
+        insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+        kube.wait_until(
+            "second kube-scheduler /healthz",
+            lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz", insecure),
+            60,
+        )
+        if node:
+            probe = self.pod("webhook-probe", {MEM: 100})
+            kube.wait_until("the webhook admitting a dry-run pod", lambda: self._dry_run(probe), 60)
+
+    def wait_node_ready(self) -> None:
+        """The daemon registered its slots and published the inventory the extender reads."""
+        kube.wait_resource(self.cluster, RES, allocatable=DEVICES * SPLIT, timeout=60)
+        kube.wait_until(
+            "the inventory annotation on the node",
+            lambda: annotation_key(RES) in self.node_annotations(),
+            60,
+        )
+
+    def _dry_run(self, manifest: dict[str, Any]) -> bool:
+        self.tenant("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest))
+        return True
+
+    def close(self) -> None:
+        k = self.cluster.kubectl
+        k(
+            "delete",
+            "mutatingwebhookconfiguration,validatingwebhookconfiguration",
+            "kxpu-e2e-sharing",
+            "--ignore-not-found",
+            check=False,
+        )
+        with contextlib.suppress(Exception):
+            self.delete_pods()
+        for ns in (NS, RAW_NS):
+            k(
+                "delete",
+                "namespace",
+                ns,
+                "--ignore-not-found",
+                "--wait=true",
+                "--timeout=90s",
+                check=False,
+                timeout=120,
+            )
+        for proc in reversed(self.procs):
+            proc.stop()
+        k("annotate", "node", NODE_NAME, f"{annotation_key(RES)}-", f"{lock_key(RES)}-", check=False)
+        k("label", "node", NODE_NAME, "kxpu.io/sharing-", check=False)
+        # the next scenario (any file) must not see this daemon's slots as still allocatable
+        kube.wait_resource(self.cluster, RES, allocatable=0, timeout=60)
+
+    # -- pods -------------------------------------------------------------------------------------------------
+    def tenant(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        """kubectl as an ordinary user (impersonated; system:masters so RBAC is no obstacle)."""
+        return self.cluster.kubectl(
+            f"--as={TENANT}", "--as-group=system:masters", *args, input=input, check=check, timeout=120
+        )
+
+    def tenant_run(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """kubectl as the tenant, for requests that are meant to be denied (stderr holds the reason)."""
+        cluster = self.cluster
+        argv = [str(cluster.kubectl_bin), "--kubeconfig", str(cluster.kubeconfig), f"--as={TENANT}"]
+        return subprocess.run(
+            [*argv, "--as-group=system:masters", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    def pod(
+        self,
+        name: str,
+        limits: Mapping[str, int],
+        annotations: Mapping[str, str] | None = None,
+        namespace: str = NS,
+        **spec: Any,
+    ) -> dict[str, Any]:
+        """A busybox pod that prints its sharing env, then idles until deleted (TERM ends it at once)."""
+        body = f"trap 'exit 0' TERM\n{REPORT}\nsleep 3600 & wait\n"
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "annotations": dict(annotations or {})},
+            "spec": {
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 2,
+                "automountServiceAccountToken": False,
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": TEST_IMAGE,
+                        "imagePullPolicy": "Never",
+                        "command": ["sh", "-c", body],
+                        "resources": {"limits": {k: str(v) for k, v in limits.items()}},
+                    }
+                ],
+                **spec,
+            },
+        }
+
+    def create(self, *manifests: dict[str, Any]) -> None:
+        """Create pods in one request (a List), as the tenant."""
+        self.tenant(
+            "create",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(manifests)}),
+        )
+
+    def pods(self, namespace: str = NS) -> list[dict[str, Any]]:
+        items = self.cluster.kubectl_json("get", "pods", "-n", namespace).get("items", [])
+        assert isinstance(items, list)
+        return items
+
+    def delete_pods(self) -> None:
+        for ns in (NS, RAW_NS):
+            self.cluster.kubectl(
+                "delete",
+                "pods",
+                "--all",
+                "-n",
+                ns,
+                "--wait=true",
+                "--timeout=60s",
+                "--ignore-not-found",
+                timeout=90,
+            )
+
+    def node_annotations(self) -> dict[str, str]:
+        meta = self.cluster.kubectl_json("get", "node", NODE_NAME)["metadata"]
+        return dict(meta.get("annotations") or {})
+
+    def assignment(self, pod: Mapping[str, Any]) -> Assignment:
+        """The pod's assignment, verified with the cluster's key for exactly this pod and node."""
+        meta = pod["metadata"]
+        ann = meta.get("annotations") or {}
+        return signing.verify(
+            ann.get(signing.ASSIGNMENT_ANNOTATION),
+            ann.get(signing.SIGNATURE_ANNOTATION),
+            [self.key],
+            pod_uid=meta["uid"],
+            namespace=meta["namespace"],
+            name=meta["name"],
+            node=NODE_NAME,
+            now=time.time(),
+            max_age_s=3600,
+        )
+
+    def reported(self, name: str, namespace: str = NS) -> dict[str, str]:
+        """The sharing env the container printed."""
+        log = kube.wait_pod_log(self.cluster, name, REPORT_END, namespace)
+        return dict(line.split("=", 1) for line in log.splitlines() if "=" in line)
+
+    def granted(self, pod: Mapping[str, Any]) -> Granted:
+        """What the signed assignment grants the pod's container; asserts the container was told the same."""
+        name = pod["metadata"]["name"]
+        assignment = self.assignment(pod)
+        (container,) = assignment.containers
+        assert container.resource == RES, assignment
+        env = self.reported(name)
+        uuids = tuple(g.uuid for g in container.devices)
+        assert env.get("NPU_VISIBLE_DEVICES") == ",".join(uuids), (name, env, assignment)
+        for i, grant in enumerate(container.devices):
+            assert env.get(f"CUDA_DEVICE_MEMORY_LIMIT_{i}") == f"{grant.memory_mib}m", (name, env, assignment)
+        cores = container.devices[0].cores
+        if 0 < cores < 100:
+            assert env.get("CUDA_DEVICE_SM_LIMIT") == str(cores), (name, env, assignment)
+        else:
+            assert "CUDA_DEVICE_SM_LIMIT" not in env, (name, env, assignment)
+        memory = {g.memory_mib for g in container.devices}
+        assert len(memory) == 1, assignment
+        return Granted(name, uuids, memory.pop(), cores)
+
+
+def assert_within_capacity(grants: Iterable[Granted]) -> dict[str, tuple[int, int, int]]:
+    """Per device: (memory MiB, cores %, containers) granted, each within capacity x scaling and the split."""
+    usage: dict[str, list[int]] = {}
+    for g in grants:
+        for uuid in g.uuids:
+            used = usage.setdefault(uuid, [0, 0, 0])
+            used[0] += g.memory_mib
+            used[1] += g.cores
+            used[2] += 1
+    for uuid, (memory, cores, slots) in usage.items():
+        assert memory <= MEMORY_MIB, f"{uuid}: {memory} MiB granted of {MEMORY_MIB}: {usage}"
+        assert cores <= 100, f"{uuid}: {cores}% cores granted: {usage}"
+        assert slots <= SPLIT, f"{uuid}: {slots} containers on {SPLIT} slots: {usage}"
+    return {u: (m, c, s) for u, (m, c, s) in usage.items()}
+
+
+def events(cluster: Cluster, name: str, namespace: str = NS, reason: str | None = None) -> list[str]:
+    """Messages of the pod's events (of one reason)."""
+    return [
+        str(e.get("message", ""))
+        for e in kube.events_for(cluster, name, namespace)
+        if reason is None or e.get("reason") == reason
+    ]
