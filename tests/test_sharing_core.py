@@ -617,7 +617,7 @@ def test_the_informer_counts_only_live_verified_assignments() -> None:
 
     from kxpu.sharing.kube.informer import live_assignment
 
-    def make(phase: str = "Running", node: str = "node-a", keys: list[bytes] | None = None) -> Pod:
+    def make(phase: str = "Running", node: str | None = "node-a", keys: list[bytes] | None = None) -> Pod:
         a = dataclasses.replace(ASSIGNMENT, pod_uid="uid-1", namespace="ns", name="p")
         annotations = {
             signing.ASSIGNMENT_ANNOTATION: signing.encode_assignment(a),
@@ -632,5 +632,6 @@ def test_the_informer_counts_only_live_verified_assignments() -> None:
     assert live_assignment(make(), [KEY]) == ASSIGNMENT  # old assignments still count: no age limit
     assert live_assignment(make(phase="Succeeded"), [KEY]) is None
     assert live_assignment(make(node="node-b"), [KEY]) is None
+    assert live_assignment(make(node=None), [KEY]) is None  # annotated, never bound: holds nothing
     assert live_assignment(make(keys=[OLD_KEY]), [KEY]) is None
     assert live_assignment(Pod(metadata=ObjectMeta(name="q", namespace="ns", uid="u")), [KEY]) is None

@@ -53,7 +53,11 @@ def live_assignment(pod: Any, keys: Sequence[bytes]) -> Assignment | None:
         )
         return None
     bound = pod.spec.nodeName if pod.spec is not None else None
-    if bound and bound != assignment.node:
+    # Only a bound pod's assignment holds devices. An unbound one is either our own bind in flight
+    # (counted by ClusterState.assume) or left by a bind that died (an extender killed between
+    # annotating and binding): counting that would hold devices for nobody, and keep the pod itself
+    # from fitting again on a full node.
+    if not bound or bound != assignment.node:
         return None
     return assignment
 
