@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 import yaml
-from measure import cpu_seconds, percentile, rss_mb
+from measure import idle_cpu_percent, percentile, report, rss_mb
 
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.process import DaemonProcess
@@ -117,9 +116,7 @@ async def run(
         out["reregister_max_ms"] = max(samples)
 
         out["rss_mb"] = rss_mb(daemon.pid)
-        before = cpu_seconds(daemon.pid)
-        await asyncio.sleep(idle_seconds)  # measuring idleness: nothing may happen meanwhile
-        out["idle_cpu_percent"] = 100 * (cpu_seconds(daemon.pid) - before) / idle_seconds
+        out["idle_cpu_percent"] = await idle_cpu_percent(daemon.pid, idle_seconds)
     finally:
         await daemon.stop()
         await kubelet.stop()
@@ -141,17 +138,7 @@ def main() -> int:
         results = asyncio.run(run(base, args.allocations, args.flips, args.restarts, args.idle_seconds))
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(
-        f"kxpu daemon: {len(RESOURCES)} resources x {DEVICES} devices, {os.cpu_count()} CPUs, "
-        f"Python {sys.version.split()[0]}\n"
-    )
-    print("| measure | value | target |\n|---|---|---|")
-    for key, value in results.items():
-        target = TARGETS.get(key)
-        verdict = "" if target is None else f"≤ {target:g}" + (" ✓" if value <= target else " ✗")
-        print(f"| {key} | {value:.2f} | {verdict} |")
-    if args.json:
-        print(json.dumps(results, indent=2))
+    report(f"kxpu daemon: {len(RESOURCES)} resources x {DEVICES} devices", results, TARGETS, args.json)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from measure import cpu_seconds, percentile, rss_mb
+from measure import idle_cpu_percent, percentile, report, rss_mb
 
 from kxpu.backends.nvidia import NvidiaBackend, NvidiaConfig
 from kxpu.backends.nvidia.nvml import NvmlSource
@@ -136,9 +135,7 @@ async def cross_process(base: Path, xids: int, idle_seconds: float) -> dict[str,
         out["xid_to_list_and_watch_p50_ms"] = percentile(samples, 50)
         out["xid_to_list_and_watch_p99_ms"] = percentile(samples, 99)
         out["rss_mb"] = rss_mb(daemon.pid)
-        before = cpu_seconds(daemon.pid)
-        await asyncio.sleep(idle_seconds)  # measuring idleness: nothing may happen meanwhile
-        out["idle_cpu_percent"] = 100 * (cpu_seconds(daemon.pid) - before) / idle_seconds
+        out["idle_cpu_percent"] = await idle_cpu_percent(daemon.pid, idle_seconds)
     finally:
         await daemon.stop()
         await kubelet.stop()
@@ -161,17 +158,12 @@ def main() -> int:
         results |= asyncio.run(cross_process(base, args.xids, args.idle_seconds))
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(
-        f"kxpu nvidia backend, fake NVML a100-8x x {REPLICAS} replicas = {GPUS * REPLICAS} devices, "
-        f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}\n"
+    report(
+        f"kxpu nvidia backend, fake NVML a100-8x x {REPLICAS} replicas = {GPUS * REPLICAS} devices",
+        results,
+        TARGETS,
+        args.json,
     )
-    print("| measure | value | target |\n|---|---|---|")
-    for key, value in results.items():
-        target = TARGETS.get(key)
-        verdict = "" if target is None else f"≤ {target:g}" + (" ✓" if value <= target else " ✗")
-        print(f"| {key} | {value:.2f} | {verdict} |")
-    if args.json:
-        print(json.dumps(results, indent=2))
     return 0
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import sys
 from pathlib import Path
 
 
@@ -24,3 +27,22 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def idle_cpu_percent(pid: int, seconds: float) -> float:
+    """CPU a process uses while nothing is asked of it, as a percentage of one core."""
+    before = cpu_seconds(pid)
+    await asyncio.sleep(seconds)  # measuring idleness: nothing may happen meanwhile
+    return 100 * (cpu_seconds(pid) - before) / seconds
+
+
+def report(title: str, results: dict[str, float], targets: dict[str, float], as_json: bool) -> None:
+    """A Markdown table of the figures against their upper-bound targets (✓/✗), optionally JSON too."""
+    print(f"{title}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}\n")
+    print("| measure | value | target |\n|---|---|---|")
+    for key, value in results.items():
+        target = targets.get(key)
+        verdict = "" if target is None else f"≤ {target:g}" + (" ✓" if value <= target else " ✗")
+        print(f"| {key} | {value:.2f} | {verdict} |")
+    if as_json:
+        print(json.dumps(results, indent=2))

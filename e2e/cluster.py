@@ -476,6 +476,9 @@ state = "{s}/containerd/state"
                     "ipam": {
                         "type": "host-local",
                         "ranges": [[{"subnet": POD_SUBNET}]],
+                        # Service IPs through the host (only the pod subnet is routed otherwise): there is no
+                        # kube-proxy, but a scenario may add the NAT rules for the Services it needs.
+                        "routes": [{"dst": SERVICE_CIDR}],
                         "dataDir": str(s / "cni" / "ipam"),
                     },
                 }

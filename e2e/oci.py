@@ -163,3 +163,10 @@ def busybox_image(out: Path, ref: str, busybox: Path = Path("/usr/bin/busybox"))
     )
     config = {"Cmd": ["sh"], "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
     return write_archive(out, ref, layer, config)
+
+
+def binary_image(out: Path, ref: str, binary: Path) -> str:
+    """An image of one static binary at ``/usr/local/bin/<name>``, on ``PATH`` (e.g. kube-scheduler)."""
+    layer = Layer(files={f"/usr/local/bin/{binary.name}": (binary, 0o755)}, dirs={"/tmp": 0o1777})
+    config = {"Cmd": [binary.name], "Env": ["PATH=/usr/local/bin:/usr/bin:/bin"]}
+    return write_archive(out, ref, layer, config)

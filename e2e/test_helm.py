@@ -77,8 +77,12 @@ def helm(cluster: Cluster, *args: str, timeout: float = 180) -> str:
     return proc.stdout
 
 
-def daemon_pods(cluster: Cluster) -> list[dict[str, Any]]:
-    out = cluster.kubectl_json("get", "pods", "-n", NAMESPACE, "-l", f"app.kubernetes.io/instance={RELEASE}")
+def daemon_pods(
+    cluster: Cluster, namespace: str = NAMESPACE, release: str = RELEASE, selector: str = ""
+) -> list[dict[str, Any]]:
+    """The release's pods (``selector``: more labels, e.g. ``app.kubernetes.io/component=webhook``)."""
+    labels = ",".join(filter(None, [f"app.kubernetes.io/instance={release}", selector]))
+    out = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", labels)
     items = out.get("items", [])
     assert isinstance(items, list)
     return items
@@ -89,18 +93,18 @@ def ready(pod: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
-def diagnostics(cluster: Cluster) -> str:
+def diagnostics(cluster: Cluster, namespace: str = NAMESPACE, release: str = RELEASE) -> str:
     """What an operator would look at when the daemon pod does not become Ready."""
     parts = []
     for args in (
-        ("get", "daemonsets,pods", "-n", NAMESPACE, "-o", "wide"),
-        ("describe", "pods", "-n", NAMESPACE),
+        ("get", "daemonsets,deployments,pods", "-n", namespace, "-o", "wide"),
+        ("describe", "pods", "-n", namespace),
         (
             "logs",
             "-n",
-            NAMESPACE,
+            namespace,
             "-l",
-            f"app.kubernetes.io/instance={RELEASE}",
+            f"app.kubernetes.io/instance={release}",
             "--tail=60",
             "--all-containers",
         ),
