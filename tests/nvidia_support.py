@@ -46,12 +46,3 @@ async def next_list(
 
 def unhealthy(devices: list[Device]) -> set[str]:
     return {d.id for d in devices if not d.healthy}
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    """Wait for a condition (checked every 10 ms) until ``timeout``; fail naming ``what``."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)

@@ -15,7 +15,8 @@ from kxpu.cdi.spec import validate_spec
 from kxpu.config import ConfigError, parse_config
 from kxpu.model import Mount, NodeLabeller, PreferredAllocator, PreStarter, Watcher, capabilities_of
 from kxpu.testing import KubeletStandIn
-from tests.nvidia_support import make, next_list, wait_until
+from tests.nvidia_support import make, next_list
+from tests.waiting import wait_until
 
 KIND = "example.com/npu"
 

@@ -18,6 +18,7 @@ from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.daemon import socket_name
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.kubelet import sockets_in
+from tests.waiting import wait_until
 
 NPU = "example.com/npu"
 FPGA = "example.com/fpga"
@@ -25,14 +26,6 @@ FPGA = "example.com/fpga"
 
 def simulated(name: str = NPU, count: int = 4, **extra: Any) -> dict[str, Any]:
     return {"name": name, "simulated": {"count": count, "model": "sim-npu", **extra}}
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def test_registers_every_resource_with_options_and_topology(

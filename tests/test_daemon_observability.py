@@ -15,7 +15,8 @@ import pytest
 
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.process import DaemonProcess
-from tests.test_daemon import NPU, simulated, wait_until
+from tests.test_daemon import NPU, simulated
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).parent.parent
 

@@ -8,7 +8,8 @@ import pytest
 
 from kxpu.backends.nvidia.health import XidPolicy
 from kxpu.testing.fake_nvml import FakeNvml
-from tests.nvidia_support import make, next_list, unhealthy, wait_until
+from tests.nvidia_support import make, next_list, unhealthy
+from tests.waiting import wait_until
 
 
 async def test_critical_xid_marks_that_gpu_unhealthy_within_milliseconds() -> None:

@@ -11,16 +11,14 @@ older CDI library (containerd 1.7, CRI-O) still load it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kxpu.atomicfile import write_atomically
 from kxpu.model import ContainerEdits
 
 KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0")
@@ -178,17 +176,6 @@ def validate_spec(spec: Mapping[str, Any]) -> list[str]:
 
 def write_spec(spec_dir: Path, spec: Spec) -> Path:
     """Write atomically (temp file in the same directory, then rename): runtimes never read half a spec."""
-    spec_dir.mkdir(parents=True, exist_ok=True)
     path = spec_dir / spec_file_name(spec["kind"])
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=spec_dir)
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(spec, out, indent=2)
-            out.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, json.dumps(spec, indent=2) + "\n")
     return path

@@ -12,12 +12,10 @@ labels (allow the ``nvidia.com`` namespace with ``-extra-label-ns``).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kxpu.atomicfile import write_atomically
 from kxpu.model import Device
 
 _FAMILIES = {
@@ -110,15 +108,4 @@ def gpu_labels(
 
 def write_features_file(path: Path, labels: Mapping[str, str]) -> None:
     """Replace ``path`` atomically with ``key=value`` lines (NFD's local feature source format)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(f"{key}={value}\n" for key, value in sorted(labels.items()))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, "".join(f"{key}={value}\n" for key, value in sorted(labels.items())))
