@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import threading
 import time
@@ -49,6 +50,21 @@ def test_return_shapes_match_the_binding() -> None:
     assert isinstance(fake.nvmlDeviceGetUUID(handle), str)
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
         fake.nvmlDeviceGetHandleByIndex(8)
+
+
+def test_whole_gpu_answers_mig_questions_as_driver_580_did_on_an_h100() -> None:
+    """Recorded by hack/gpu-check on a real H100 (docs/nvidia.md, "On a real GPU")."""
+    fake = FakeNvml("a100-8x")  # MIG-capable, MIG off
+    fake.nvmlInit()
+    gpu = fake.nvmlDeviceGetHandleByIndex(0)
+    is_mig = fake.nvmlDeviceIsMigDeviceHandle(gpu)
+    assert isinstance(is_mig, ctypes.c_uint) and not is_mig
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        fake.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        fake.nvmlDeviceGetAttributes(gpu)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        fake.nvmlDeviceGetGpuInstanceId(gpu)
 
 
 def test_mig_handles_answer_like_mig_devices() -> None:

@@ -16,6 +16,7 @@ unix datagram socket named by ``KXPU_FAKE_NVML_CONTROL`` (see ``send_control``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -439,9 +440,7 @@ class FakeNvml:
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: FakeHandle, index: int) -> FakeHandle:
         gpu = self._gpu(handle)
-        if not gpu.mig_enabled:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if not 0 <= index < len(gpu.migs):
+        if not gpu.mig_enabled or not 0 <= index < len(gpu.migs):  # as driver 580 answers with MIG off
             raise _err(pynvml.NVML_ERROR_NOT_FOUND)
         return FakeHandle(handle.gpu, index)
 
@@ -449,8 +448,8 @@ class FakeNvml:
         self._mig(handle)
         return FakeHandle(handle.gpu)
 
-    def nvmlDeviceIsMigDeviceHandle(self, handle: FakeHandle) -> int:
-        return int(handle.mig is not None)
+    def nvmlDeviceIsMigDeviceHandle(self, handle: FakeHandle) -> ctypes.c_uint:
+        return ctypes.c_uint(handle.mig is not None)  # the binding hands back its ctypes value, not an int
 
     def nvmlDeviceGetGpuInstanceId(self, handle: FakeHandle) -> int:
         return self._mig(handle).gi
@@ -459,6 +458,9 @@ class FakeNvml:
         return self._mig(handle).ci
 
     def nvmlDeviceGetAttributes(self, handle: FakeHandle) -> Any:
+        if handle.mig is None:
+            self._gpu(handle)
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a whole GPU has no MIG attributes
         mig = self._mig(handle)
         return pynvml.c_nvmlDeviceAttributes(
             multiprocessorCount=16 * mig.ci_slices,
