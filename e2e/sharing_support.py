@@ -44,6 +44,9 @@ DEVICES = 2
 MEMORY_MIB = 16000
 SPLIT = 10
 LOCK_TIMEOUT_S = 4  # an unbound pod's lock expires this fast (the extender-restart scenario relies on it)
+LOCK_HARD_EXPIRY_S = (
+    20  # a bound pod not admitted by then is failed and its lock freed (kubelet-down scenario)
+)
 ALLOCATE_TIMEOUT_S = 3  # how long the node waits for a lock naming the pod before refusing Allocate
 EXTENDER_PORT, WEBHOOK_PORT, SCHEDULER_PORT, DAEMON_PORT = 18890, 18445, 10360, 19401
 EXTENDER_METRICS_PORT, WEBHOOK_METRICS_PORT = 19411, 19412
@@ -225,6 +228,7 @@ class Sharing:
             "inventoryStaleSeconds": self.inventory_stale_s,
             "signingKey": key_ref,
             "lockTimeoutSeconds": LOCK_TIMEOUT_S,
+            "lockHardExpirySeconds": LOCK_HARD_EXPIRY_S,
             "trustedUsers": ["kubernetes-admin"],
         }
         managed = [{"name": RES, "ignoredByScheduler": False}] + [

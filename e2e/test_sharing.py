@@ -22,6 +22,7 @@ from e2e.conftest import E2E
 from e2e.sharing_support import (
     CORES,
     DEVICES,
+    LOCK_HARD_EXPIRY_S,
     MEM,
     MEMORY_MIB,
     NS,
@@ -85,11 +86,12 @@ def wait_running(sharing: Sharing, names: list[str], timeout: float = 60) -> dic
     return pods
 
 
-def wait_bound(sharing: Sharing, name: str, namespace: str = NS) -> dict[str, Any]:
+def wait_bound(sharing: Sharing, name: str, namespace: str = NS, timeout: float = 30) -> dict[str, Any]:
     """Wait until the pod is bound (has a node); the binding is the extender's last step."""
     return kube.wait_until(
         f"{name} bound",
         lambda: (p := kube.get_pod(sharing.cluster, name, namespace))["spec"].get("nodeName") and p,
+        timeout=timeout,
     )
 
 
@@ -265,8 +267,10 @@ def test_extender_killed_mid_burst_loses_nothing(sharing: Sharing) -> None:
 
 def test_lock_of_a_pod_never_admitted_is_recovered(sharing: Sharing) -> None:
     """5. A pod bound while the kubelet is down never reaches Allocate and holds the node lock; the next pod
-    is refused with "locked" until the first is deleted, then takes the lock at once. With the kubelet back,
-    a running pod is untouched and a new pod runs: no lock is left behind."""
+    is refused with "locked" until the lock's hard expiry, when the extender's sweeper marks the first pod
+    Failed (KxpuAllocationExpired, with an event) and frees the lock: the next pod takes it. With the kubelet
+    back, the failed pod stays failed (never admitted under another pod's lock), a running pod is untouched
+    and a new pod runs: no lock is left behind."""
     cluster = sharing.cluster
     # A pod admitted now also makes the kubelet prune its device checkpoint of earlier scenarios' pods, which a
     # restarted kubelet would otherwise count as allocated until it has listed its pods ("Available: 0").
@@ -286,8 +290,15 @@ def test_lock_of_a_pod_never_admitted_is_recovered(sharing: Sharing) -> None:
             timeout=30,
         )
         assert not kube.get_pod(cluster, "next", NS)["spec"].get("nodeName")
-        cluster.kubectl("delete", "pod", "stuck", "-n", NS, "--grace-period=0", "--force", "--wait=false")
-        nxt = wait_bound(sharing, "next")
+        kube.wait_until(
+            "the stuck pod failed at the lock's hard expiry",
+            lambda: kube.get_pod(cluster, "stuck", NS)["status"].get("reason") == "KxpuAllocationExpired",
+            timeout=LOCK_HARD_EXPIRY_S + 30,
+        )
+        failed = kube.get_pod(cluster, "stuck", NS)["status"]
+        assert failed["phase"] == "Failed" and "not admitted on node" in failed["message"], failed
+        assert events(cluster, "stuck", reason="KxpuAllocationExpired"), "no Warning event on the stuck pod"
+        nxt = wait_bound(sharing, "next", timeout=60)
         assert nxt["metadata"]["uid"] in sharing.node_annotations().get(lock_key(RES), "")
         # The kubelet admits the pods it finds at start-up before its device plugins re-register, and so
         # rejects them ("Available: 0") whatever the plugin: remove this one before the kubelet comes back.
@@ -304,6 +315,11 @@ def test_lock_of_a_pod_never_admitted_is_recovered(sharing: Sharing) -> None:
     sharing.wait_node_ready()
     sharing.create(sharing.pod("after", {RES: 1, MEM: 1000, CORES: 10}))
     pods = wait_running(sharing, ["before", "after"], timeout=60)
+    stuck_now = kube.get_pod(cluster, "stuck", NS)[
+        "status"
+    ]  # the kubelet syncs it, as terminal: no container
+    assert (stuck_now["phase"], stuck_now.get("reason")) == ("Failed", "KxpuAllocationExpired"), stuck_now
+    assert not [c for c in stuck_now.get("containerStatuses") or [] if c.get("containerID")], stuck_now
     assert kube.container_state(pods["before"]) == kube.container_state(before), kube.describe(pods["before"])
     grants = [sharing.granted(pods["before"]), sharing.granted(pods["after"])]
     assert [(g.memory_mib, g.cores) for g in grants] == [(1000, 10), (1000, 10)]

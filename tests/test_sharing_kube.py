@@ -31,7 +31,7 @@ from kxpu.sharing.kube.api import KubeSchedulerAPI
 from kxpu.sharing.kube.informer import Informer
 from kxpu.sharing.kube.keys import KeyStore
 from kxpu.sharing.kube.node import KubeNodeLink
-from kxpu.sharing.lock import allocated_key
+from kxpu.sharing.lock import HARD_EXPIRED, allocated_key
 from kxpu.sharing.node import SharingBackend, parent_id
 from kxpu.sharing.requests import ResourceFamily
 from kxpu.sharing.scheduler import LockBusy, PodRef, Scheduler
@@ -150,6 +150,44 @@ async def test_node_lock_compare_and_swap_and_recovery(env: Env) -> None:
     link = StaticKeys(env.node, sharing_config(), env.client)
     lock = await link.lock(NPU)
     assert lock is not None and lock.uid == loser.uid and lock.owner == "extender-a"
+
+
+async def test_the_sweeper_fails_a_pod_never_admitted_and_frees_its_node(env: Env) -> None:
+    takeovers: list[str] = []
+    api = KubeSchedulerAPI(
+        env.client, "extender", lock_ttl_s=0.2, hard_expiry_s=1.0, on_takeover=takeovers.append
+    )
+    stuck = await env.pod("stuck", {})
+    await api.acquire_lock(env.node, NPU, stuck)
+    await api.bind(stuck, env.node)  # bound to a node with no kubelet: its Allocate never comes
+    link = StaticKeys(env.node, sharing_config(), env.client)
+    lock = await link.lock(NPU)
+    assert lock is not None
+    assert await api.sweep_lock(env.node, NPU, lock.encode()) is None  # bound, within the hard expiry
+    admitted = await env.pod("admitted", {})
+    await asyncio.sleep(1.1)  # past the hard expiry (1 s), measured on the lock's wall-clock stamp
+    assert await api.sweep_lock(env.node, NPU, lock.encode()) == HARD_EXPIRED
+    pod = await env.client.get(Pod, "stuck", namespace=env.namespace)
+    assert pod.status is not None and (pod.status.phase, pod.status.reason) == (
+        "Failed",
+        "KxpuAllocationExpired",
+    )
+    assert "within 1 s of being bound" in (pod.status.message or "")
+    assert await link.lock(NPU) is None and takeovers == [HARD_EXPIRED]
+    events = [e async for e in env.client.list(Event, namespace=env.namespace)]
+    assert any(e.reason == "KxpuAllocationExpired" and e.type == "Warning" for e in events)
+    # a pod the kubelet admitted (status.startTime) frees the lock at once, and is left alone
+    await api.acquire_lock(env.node, NPU, admitted)
+    await api.bind(admitted, env.node)
+    await env.client.patch(
+        Pod.Status, "admitted", {"status": {"startTime": "2026-11-22T00:00:00Z"}}, namespace=env.namespace
+    )
+    lock = await link.lock(NPU)
+    assert lock is not None
+    assert await api.sweep_lock(env.node, NPU, lock.encode()) == "its pod was admitted"
+    pod = await env.client.get(Pod, "admitted", namespace=env.namespace)
+    assert pod.status is not None and pod.status.phase == "Pending"
+    assert await link.lock(NPU) is None
 
 
 async def test_publish_watch_bind_and_handshake(env: Env) -> None:

@@ -378,6 +378,7 @@ def test_sharing_rbac_is_exact(sharing: Rendered) -> None:
         ("", "nodes", (), ("get", "list", "watch", "patch")),
         ("", "pods", (), ("get", "list", "watch", "patch")),
         ("", "pods/binding", (), ("create",)),
+        ("", "pods/status", (), ("patch",)),
     ]
     assert rules(sharing.one("Role", "kxpu-scheduler")) == [
         ("", "secrets", ("kxpu-signing-key",), ("get",)),

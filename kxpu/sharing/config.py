@@ -31,7 +31,8 @@ Control plane (``kxpu scheduler --config`` and ``kxpu webhook --config``)::
     devicePolicy: spread
     schedulerName: kxpu-scheduler
     signingKey: {secret: kxpu-system/kxpu-signing-key}
-    lockTimeoutSeconds: 60
+    lockTimeoutSeconds: 60           # a lock whose pod was never bound expires after this
+    lockHardExpirySeconds: 600       # a bound pod never admitted (kubelet down) is failed after this
     inventoryStaleSeconds: 120
     trustedUsers: [system:serviceaccount:kxpu-system:kxpu-scheduler, system:serviceaccount:kxpu-system:kxpu-node]
 """
@@ -151,6 +152,7 @@ class ControlPlaneConfig(_Model):
     scheduler_name: str = "kxpu-scheduler"
     signing_key: KeySource = Field(default_factory=lambda: KeySource(secret="kxpu-system/kxpu-signing-key"))
     lock_timeout_seconds: float = Field(default=60.0, gt=0)
+    lock_hard_expiry_seconds: float = Field(default=600.0, gt=0)
     inventory_stale_seconds: float = Field(default=120.0, gt=0)
     # who may change kxpu's pod annotations (the webhook denies everyone else): the extender's and
     # the node daemon's service accounts
@@ -163,6 +165,16 @@ class ControlPlaneConfig(_Model):
 
     # env names (globs) a shared container may not set itself; the webhook denies them
     protected_env: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECTED_ENV))
+
+    @model_validator(mode="after")
+    def _hard_expiry_after_timeout(self) -> ControlPlaneConfig:
+        if self.lock_hard_expiry_seconds < self.lock_timeout_seconds:
+            raise ValueError(
+                f"lockHardExpirySeconds ({self.lock_hard_expiry_seconds:g}) must be at least "
+                f"lockTimeoutSeconds ({self.lock_timeout_seconds:g}): a bound pod gets at least as long "
+                "to be admitted as an unbound one to be bound"
+            )
+        return self
 
     def resource_families(self) -> list[ResourceFamily]:
         return [f.family() for f in self.families]

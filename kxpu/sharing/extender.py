@@ -43,7 +43,7 @@ import gc
 import json
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -51,6 +51,7 @@ from kxpu.logs import get_logger
 from kxpu.sharing import extender_metrics as metrics
 from kxpu.sharing import probes
 from kxpu.sharing.config import ControlPlaneConfig
+from kxpu.sharing.lock import LockError, NodeLock
 from kxpu.sharing.scheduler import LockBusy, PodRef, Scheduler, SchedulerAPI
 from kxpu.sharing.state import ClusterState
 
@@ -221,6 +222,36 @@ class MeteredAPI:
         await self.api.event(pod, reason, message, warning)
 
 
+class LockSweeper(Protocol):
+    async def sweep_lock(self, node: str, resource: str, text: str) -> str | None: ...
+
+
+async def sweep_locks(
+    state: ClusterState, api: LockSweeper, lock_ttl_s: float, synced: asyncio.Event
+) -> None:
+    """Recover node locks that no bind asks for: a pod whose Allocate never came must not hold its node.
+
+    Only locks older than the lock timeout are looked at (a healthy one lives for one admission,
+    well under a second), so a quiet cluster costs no API calls; every extender replica sweeps,
+    and the compare-and-swap release makes that safe.
+    """
+    await synced.wait()
+    interval = max(1.0, min(lock_ttl_s, 60.0) / 2)
+    while True:
+        await asyncio.sleep(interval)
+        wall = time.time()
+        for node, resource, text in state.held_locks():
+            try:
+                if wall - NodeLock.decode(text).acquired < lock_ttl_s:
+                    continue
+            except LockError:
+                continue
+            try:
+                await api.sweep_lock(node, resource, text)
+            except Exception as exc:
+                log.warning("could not check a node lock", node=node, resource=resource, error=str(exc))
+
+
 async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_address: str = "") -> None:
     """Run the extender until cancelled: caches from watches, keys from the Secret, HTTP on ``address``
     (and metrics and probes on ``metrics_address`` unless it is empty)."""
@@ -238,14 +269,14 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
     families = config.resource_families()
     state = ClusterState([f.count for f in families], stale_after_s=config.inventory_stale_seconds)
     informer = Informer(client, state, keys.current)
-    api = MeteredAPI(
-        KubeSchedulerAPI(
-            client,
-            owner,
-            lock_ttl_s=config.lock_timeout_seconds,
-            on_takeover=lambda why: metrics.LOCK_TAKEOVERS.labels(metrics.takeover_cause(why)).inc(),
-        )
+    kube_api = KubeSchedulerAPI(
+        client,
+        owner,
+        lock_ttl_s=config.lock_timeout_seconds,
+        hard_expiry_s=config.lock_hard_expiry_seconds,
+        on_takeover=lambda why: metrics.LOCK_TAKEOVERS.labels(metrics.takeover_cause(why)).inc(),
     )
+    api = MeteredAPI(kube_api)
     scheduler = Scheduler(state, families, keys.current, api, config.node_policy, config.device_policy)
     metrics.CACHE.state = state
     metrics.CACHE.ready = lambda: informer.ready
@@ -272,6 +303,9 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(informer.run())
             tasks.create_task(housekeeping())
+            tasks.create_task(
+                sweep_locks(state, kube_api, config.lock_timeout_seconds, informer.synced_event)
+            )
     finally:
         await runner.cleanup()
         if probe_runner is not None:

@@ -12,8 +12,12 @@ Recovery (``holder_state``), so a lost release never stalls a node for minutes a
 5-minute lock does, yet a lock is never handed over while its pod may still be admitted
 (HAMi #3096, where an expired lock swapped two pods' limits): the lock is free at once
 when its pod is gone, replaced (other UID), finished, deleted, already allocated, or bound
-to another node; it expires if the pod was never bound; and if the pod is bound here but
-the kubelet never admits it, only after ``hard_expiry_s``.
+to another node, or admitted (the kubelet sets ``status.startTime`` only after admission, so
+after every Allocate); it expires if the pod was never bound; and if the pod is bound here
+but the kubelet never admits it (the kubelet or its node is down), only after
+``hard_expiry_s`` (``lockHardExpirySeconds``). Then the extender's sweeper marks that pod
+Failed before releasing the lock (``HARD_EXPIRED``), so a kubelet that comes back never
+admits it under another pod's lock; its controller replaces it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ def lock_key(resource: str) -> str:
 
 def allocated_key(resource: str) -> str:
     return ALLOCATED_PREFIX + _suffix(resource)
+
+
+# holder_state's answer when the pod is bound here, alive, and still not admitted at the hard expiry.
+HARD_EXPIRED = "the kubelet never admitted its pod"
 
 
 class LockError(ValueError):
@@ -113,11 +121,13 @@ def holder_state(
         return "its pod has finished"
     if allocated_key(resource) in (meta.get("annotations") or {}):
         return "its pod is already allocated"
+    if (holder.get("status") or {}).get("startTime"):
+        return "its pod was admitted"
     bound = (holder.get("spec") or {}).get("nodeName")
     if bound and bound != node:
         return f"its pod is bound to {bound}"
     if not bound and now > lock.expires:
         return "it expired before its pod was bound"
     if now > lock.acquired + hard_expiry_s:
-        return "the kubelet never admitted its pod"
+        return HARD_EXPIRED
     return None

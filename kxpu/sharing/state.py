@@ -44,18 +44,22 @@ class ClusterState:
         self._pods: dict[str, Assignment] = {}  # uid → assignment of a live pod
         self._assumed: dict[str, Assignment] = {}
         self._by_node: dict[str, set[str]] = {}  # node → uids in _pods or _assumed
-        self._lock_keys = tuple(lock_key(r) for r in self.resources)
+        self._lock_keys = {r: lock_key(r) for r in self.resources}
         self._locked: set[str] = set()  # nodes whose lock (any family) a pod holds between bind and Allocate
+        self._locks: dict[str, dict[str, str]] = {}  # node → resource → lock text, as last seen
         self.generation = 0  # moves on every change of any node's devices or usage
 
     # -- nodes ---------------------------------------------------------------------------------
 
     def set_node(self, name: str, annotations: Mapping[str, str]) -> None:
         """A node was added or changed: decode the inventories whose annotation text changed."""
-        if any(key in annotations for key in self._lock_keys):
+        locks = {r: annotations[key] for r, key in self._lock_keys.items() if key in annotations}
+        if locks:
             self._locked.add(name)
+            self._locks[name] = locks
         else:
             self._locked.discard(name)
+            self._locks.pop(name, None)
         entry = self._nodes.get(name)
         if entry is None:
             entry = self._nodes[name] = _NodeEntry(NodeState(name), {}, {})
@@ -102,6 +106,7 @@ class ClusterState:
     def remove_node(self, name: str) -> None:
         self._nodes.pop(name, None)
         self._locked.discard(name)
+        self._locks.pop(name, None)
         self.generation += 1
 
     def node(self, name: str) -> NodeState | None:
@@ -121,6 +126,10 @@ class ClusterState:
     def locked(self, name: str) -> bool:
         """Whether a pod holds the node's lock, as last seen (a bind there would wait for its Allocate)."""
         return name in self._locked
+
+    def held_locks(self) -> list[tuple[str, str, str]]:
+        """(node, resource, lock text) of every node lock as last seen: what the lock sweeper checks."""
+        return [(node, r, text) for node, locks in self._locks.items() for r, text in locks.items()]
 
     def mark_locked(self, name: str) -> None:
         """We just took the node's lock: count it before the node watch shows it."""

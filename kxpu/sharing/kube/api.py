@@ -20,7 +20,7 @@ from kxpu.sharing.kube.client import (
     post_event,
     version_of,
 )
-from kxpu.sharing.lock import LockError, NodeLock, holder_state, lock_key
+from kxpu.sharing.lock import HARD_EXPIRED, LockError, NodeLock, holder_state, lock_key
 from kxpu.sharing.scheduler import LockBusy, PodRef
 
 log = get_logger("kxpu.sharing.kube.api")
@@ -85,6 +85,59 @@ class KubeSchedulerAPI:
 
     async def release_lock(self, node: str, resource: str, pod: PodRef) -> None:
         await release(self.client, node, resource, pod.uid)
+
+    async def sweep_lock(self, node: str, resource: str, text: str) -> str | None:
+        """Recover one node lock that nobody asks for (acquire_lock recovers the ones a bind wants).
+
+        ``text`` is the lock as the node cache last saw it. Returns why it was released, or None
+        if it still binds its pod. A pod bound here but never admitted by the hard expiry is
+        marked Failed first (reason ``KxpuAllocationExpired``, with a Warning event), so that a
+        kubelet that comes back later never admits it while the lock names another pod; its
+        controller, if any, replaces it.
+        """
+        try:
+            lock = NodeLock.decode(text)
+        except LockError:
+            return None  # the next bind on this node replaces it (acquire_lock)
+        holder = await self._holder(lock)
+        why = holder_state(lock, holder, resource, node, now(), self.hard_expiry_s)
+        if why is None:
+            return None
+        if why == HARD_EXPIRED and holder is not None:
+            message = (
+                f"not admitted on node {node} within {self.hard_expiry_s:g} s of being bound (is its kubelet "
+                f"down?); failed so that the node's {resource} lock can go to the next pod"
+            )
+            status = {"phase": "Failed", "reason": "KxpuAllocationExpired", "message": message}
+            try:
+                await self.client.patch(
+                    Pod.Status,
+                    lock.name,
+                    {"metadata": {"uid": lock.uid}, "status": status},
+                    namespace=lock.namespace,
+                    patch_type=PatchType.MERGE,
+                )
+            except ApiError as exc:
+                if not is_status(exc, 404, 409):
+                    raise
+                return None  # gone or replaced meanwhile: the next sweep sees that
+            try:
+                await post_event(
+                    self.client,
+                    "Pod",
+                    lock.namespace,
+                    lock.name,
+                    lock.uid,
+                    "KxpuAllocationExpired",
+                    message,
+                    "kxpu-scheduler",
+                )
+            except ApiError as exc:
+                log.warning("could not post an event", pod=lock.pod, error=str(exc))
+        await release(self.client, node, resource, lock.uid)
+        log.info("released a stale node lock", node=node, resource=resource, pod=lock.pod, because=why)
+        self.on_takeover(why)
+        return why
 
     async def _cas(self, node: str, version: str | None, annotations: Mapping[str, str | None]) -> bool:
         return await cas_node_annotations(self.client, node, version, annotations)
