@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from measure import cpu_seconds, percentile
 
 from e2e.cluster import Cluster, exclusive
-from e2e.sharing_support import CORES, MEM, NS, RES, SCHEDULER, SPLIT, Sharing
+from e2e.sharing_support import CORES, EXTENDER_METRICS_PORT, MEM, NS, RES, SCHEDULER, SPLIT, Sharing
 from kxpu.sharing import inventory
 from kxpu.sharing.kube.api import release
 from kxpu.sharing.kube.client import SHARING_NODE_LABEL
@@ -83,15 +84,17 @@ async def create_node(client: AsyncClient, name: str) -> None:
     await client.patch(Node.Status, name, status, patch_type=PatchType.MERGE)
 
 
-def pod_manifest(name: str) -> dict[str, Any]:
-    limits = {RES: "1", MEM: "1000", CORES: "10"}
+def pod_manifest(name: str, baseline: bool = False) -> dict[str, Any]:
+    """A shared-device pod for kxpu's scheduler; with ``baseline``, a plain one for the cluster's own scheduler."""
+    limits = {"cpu": "10m"} if baseline else {RES: "1", MEM: "1000", CORES: "10"}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": NS, "labels": {BENCH_LABEL: "true"}},
         "spec": {
-            "schedulerName": SCHEDULER,
+            "schedulerName": "default-scheduler" if baseline else SCHEDULER,
             "tolerations": [{"operator": "Exists"}],  # the API-only nodes get not-ready taints
+            "nodeSelector": {BENCH_LABEL: "true"},  # never the harness's real node
             "containers": [{"name": "main", "image": "none", "resources": {"limits": limits}}],
         },
     }
@@ -120,7 +123,9 @@ async def stand_in_node(client: AsyncClient, pod: Pod) -> None:
     await release(client, pod.spec.nodeName, RES, str(meta.uid))
 
 
-async def measure(client: AsyncClient, pods: int, concurrency: int, timeout: float) -> dict[str, float]:
+async def measure(
+    client: AsyncClient, pods: int, concurrency: int, timeout: float, baseline: bool = False
+) -> dict[str, float]:
     created: dict[str, float] = {}
     bound: dict[str, float] = {}
     done = asyncio.Event()
@@ -132,14 +137,15 @@ async def measure(client: AsyncClient, pods: int, concurrency: int, timeout: flo
             if name in bound or pod.spec is None or not pod.spec.nodeName:
                 continue
             bound[name] = time.perf_counter()
-            task = asyncio.create_task(stand_in_node(client, pod))
-            node_side.add(task)
-            task.add_done_callback(node_side.discard)
+            if not baseline:  # no kxpu lock to release for a plain pod
+                task = asyncio.create_task(stand_in_node(client, pod))
+                node_side.add(task)
+                task.add_done_callback(node_side.discard)
             if len(bound) == pods:
                 done.set()
 
     async def create(name: str) -> None:
-        await client.create(codecs.from_dict(pod_manifest(name)))
+        await client.create(codecs.from_dict(pod_manifest(name, baseline)))
         created[name] = time.perf_counter()
 
     watcher = asyncio.create_task(watch())
@@ -168,6 +174,24 @@ async def measure(client: AsyncClient, pods: int, concurrency: int, timeout: flo
     }
 
 
+def extender_request_seconds() -> dict[str, tuple[float, float]]:
+    """verb → (total seconds, count) from the extender's own histogram (its time per request, not the wire's)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{EXTENDER_METRICS_PORT}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        for suffix, into in (("_sum", sums), ("_count", counts)):
+            head = f'kxpu_scheduler_request_duration_seconds{suffix}{{verb="'
+            if line.startswith(head):
+                verb = line[len(head) :].split('"', 1)[0]
+                into[verb] = float(line.rsplit(" ", 1)[1])
+    return {verb: (sums[verb], counts.get(verb, 0.0)) for verb in sums}
+
+
 async def run(args: argparse.Namespace, sharing: Sharing) -> dict[str, float]:
     client = AsyncClient(field_manager="kxpu-bench")
     names = [f"kxpu-bench-{i:04d}" for i in range(args.nodes)]
@@ -178,15 +202,23 @@ async def run(args: argparse.Namespace, sharing: Sharing) -> dict[str, float]:
         await asyncio.sleep(2)  # the extender's node watch catches up
         procs = {"extender": sharing.extender.proc, "kube_scheduler": sharing.scheduler.proc}
         pids = {name: proc.pid for name, proc in procs.items() if proc is not None}
-        for component in ("kube-apiserver", "etcd"):  # the rest of the machine's two cores' work
+        for component in ("kube-apiserver", "etcd", "kube-scheduler"):  # the rest of the two cores' work
             pid = sharing.cluster.pid(component)
             if pid is not None:
-                pids[component.replace("-", "_")] = pid
+                pids[("cluster_" if component == "kube-scheduler" else "") + component.replace("-", "_")] = (
+                    pid
+                )
         pids["bench"] = os.getpid()
         cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        result = await measure(client, args.pods, args.concurrency, args.timeout)
+        before = extender_request_seconds()
+        result = await measure(client, args.pods, args.concurrency, args.timeout, args.baseline)
         for name, pid in pids.items():
             result[f"{name}_cpu_s"] = round(cpu_seconds(pid) - cpu[name], 2)
+        for verb, (total, count) in extender_request_seconds().items():
+            t0, c0 = before.get(verb, (0.0, 0.0))
+            if count > c0:
+                result[f"extender_{verb}_mean_ms"] = round(1000 * (total - t0) / (count - c0), 2)
+                result[f"extender_{verb}_requests"] = int(count - c0)
         return result
     finally:
         sharing.cluster.kubectl(
@@ -204,6 +236,11 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="concurrent pod creates")
     parser.add_argument("--policy", choices=["spread", "binpack"], default="spread", help="node policy")
     parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="plain pods (10m CPU) through the cluster's own kube-scheduler, no extender: this machine's ceiling",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -242,6 +279,14 @@ def main() -> int:
         )
         cpu = {k.removesuffix("_cpu_s"): v for k, v in report.items() if k.endswith("_cpu_s")}
         print("CPU seconds used meanwhile: " + ", ".join(f"{k} {v}" for k, v in cpu.items()))
+        verbs = [k.split("_")[1] for k in report if k.startswith("extender_") and k.endswith("_requests")]
+        print(
+            "extender requests: "
+            + ", ".join(
+                f"{v} {report[f'extender_{v}_requests']} x {report[f'extender_{v}_mean_ms']} ms"
+                for v in verbs
+            )
+        )
     return 0 if result["pods_per_s"] >= TARGET_PODS_PER_S and result["bound"] == result["pods"] else 1
 
 

@@ -39,6 +39,7 @@ CORES = RES + "cores"
 NS = "kxpu-sharing"
 RAW_NS = "kxpu-sharing-raw"
 SCHEDULER = "kxpu-e2e-sharing"
+TRUSTED_USERS = ["kubernetes-admin"]  # the extender and the node daemon use the admin kubeconfig here
 TENANT = "kxpu-e2e-tenant"  # impersonated by the tests: not trusted by the webhook
 DEVICES = 2
 MEMORY_MIB = 16000
@@ -229,7 +230,7 @@ class Sharing:
             "signingKey": key_ref,
             "lockTimeoutSeconds": LOCK_TIMEOUT_S,
             "lockHardExpirySeconds": LOCK_HARD_EXPIRY_S,
-            "trustedUsers": ["kubernetes-admin"],
+            "trustedUsers": TRUSTED_USERS,
         }
         managed = [{"name": RES, "ignoredByScheduler": False}] + [
             {"name": RES + suffix, "ignoredByScheduler": True}
@@ -257,7 +258,7 @@ class Sharing:
                     "weight": 1,
                     "nodeCacheCapable": True,
                     "enableHTTPS": False,
-                    "httpTimeout": "10s",
+                    "httpTimeout": "30s",  # a bind under a burst can wait its turn; a timeout re-queues the pod
                     "managedResources": managed,
                 }
             ],
@@ -284,6 +285,14 @@ class Sharing:
                 ],
                 "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NS}},
             }
+            if kind == "Validating":  # as the chart: kxpu's own updates skip the call
+                users = ",".join(f"'{u}'" for u in TRUSTED_USERS)
+                hook["matchConditions"] = [
+                    {
+                        "name": "not-a-kxpu-update",
+                        "expression": f"request.operation != 'UPDATE' || !(request.userInfo.username in [{users}])",
+                    }
+                ]
             docs.append(
                 {
                     "apiVersion": "admissionregistration.k8s.io/v1",

@@ -448,6 +448,27 @@ def test_state_recounts_when_the_inventory_changes_and_ignores_heartbeats() -> N
     assert "nvidia.com/gpu" not in node.families
 
 
+def test_a_re_created_node_never_shows_a_version_of_its_predecessor() -> None:
+    from kxpu.sharing.scheduler import Scheduler
+
+    state = ClusterState(["nvidia.com/gpu"])
+    key = inv.annotation_key("nvidia.com/gpu")
+    scheduler = Scheduler(state, [GPU], keys=lambda: [KEY])
+    big = pod("p", [{"nvidia.com/gpumem": 8000}])
+    seen: set[int] = set()
+    for memory in (16384, 2000, 16384, 2000):
+        state.set_node("n", {key: inv.encode(inventory(count=1, memory_mib=memory))})
+        node = state.node("n")
+        assert node is not None and node.version not in seen
+        seen.add(node.version)
+        # the fit memo is keyed by (node, version): a fit of the old node must not be reused
+        assert (scheduler.filter(big, ["n"]).passed == ["n"]) == (memory == 16384)
+        state.remove_node("n")
+    state.set_node("n", {})  # re-created without an inventory yet
+    node = state.node("n")
+    assert node is not None and node.version not in seen
+
+
 def test_state_drops_stale_inventories() -> None:
     now = [0.0]
     state = ClusterState(["nvidia.com/gpu"], stale_after_s=120, clock=lambda: now[0])

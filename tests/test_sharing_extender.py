@@ -192,8 +192,40 @@ async def test_a_bind_records_what_was_assigned(
     _, scheduler, cluster = setup
     cluster.add_pod(pod("e", [{"nvidia.com/gpumem": 1234, "nvidia.com/gpucores": 5}]))
     assert await scheduler.bind("default", "e", "uid-default-e", "idle") == ""
+    await scheduler.settled()  # the event is posted off the bind's path
     (event,) = [e for e in cluster.events if e[0] == "default/e"]
     assert event[1] == "KxpuAssigned" and "1234 MiB, 5% cores" in event[2]
+
+
+async def test_bind_uses_the_pod_filter_was_given_and_reads_the_api_only_otherwise(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    _, scheduler, cluster = setup
+    reads: list[str] = []
+    real_get = cluster.get_pod
+
+    async def counting_get(namespace: str, name: str) -> Any:
+        reads.append(name)
+        return await real_get(namespace, name)
+
+    async def no_lock(node: str, resource: str, pod: Any) -> None:  # each bind here would wait for Allocate
+        return None
+
+    cluster.get_pod = counting_get  # type: ignore[method-assign]
+    cluster.acquire_lock = no_lock  # type: ignore[method-assign]
+    filtered = pod("f", [{"nvidia.com/gpumem": 1000}])
+    cluster.add_pod(filtered)
+    assert scheduler.filter(filtered, ["idle"]).passed == ["idle"]
+    assert await scheduler.bind("default", "f", "uid-default-f", "idle") == ""
+    assert reads == []
+    cluster.add_pod(pod("g", [{"nvidia.com/gpumem": 1000}]))  # never filtered here (extender restarted)
+    assert await scheduler.bind("default", "g", "uid-default-g", "idle") == ""
+    assert reads == ["g"]
+    # remembered by UID: a bind for a re-created pod (another UID) reads the API, which tells it apart
+    assert scheduler.filter(pod("h", [{"nvidia.com/gpumem": 1000}]), ["idle"]).passed == ["idle"]
+    cluster.add_pod(pod("h", [{"nvidia.com/gpumem": 1000}], uid="uid-h-2"))
+    assert "replaced" in await scheduler.bind("default", "h", "uid-h-3", "idle")
+    assert reads == ["g", "h"]
 
 
 async def test_concurrent_binds_never_overcommit(

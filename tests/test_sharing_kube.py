@@ -152,6 +152,45 @@ async def test_node_lock_compare_and_swap_and_recovery(env: Env) -> None:
     assert lock is not None and lock.uid == loser.uid and lock.owner == "extender-a"
 
 
+async def test_a_bind_after_the_hard_expiry_fails_the_unadmitted_holder_first(env: Env) -> None:
+    api = KubeSchedulerAPI(env.client, "extender", lock_ttl_s=0.2, hard_expiry_s=0.5)
+    stuck = await env.pod("stuck", {})
+    await api.acquire_lock(env.node, NPU, stuck)
+    await api.bind(stuck, env.node)
+    nxt = await env.pod("next", {})
+    with pytest.raises(LockBusy):
+        await api.acquire_lock(env.node, NPU, nxt)
+    await asyncio.sleep(0.6)
+    await api.acquire_lock(env.node, NPU, nxt)
+    pod = await env.client.get(Pod, "stuck", namespace=env.namespace)
+    assert pod.status is not None and (pod.status.phase, pod.status.reason) == (
+        "Failed",
+        "KxpuAllocationExpired",
+    )
+
+
+async def test_a_stale_cached_view_never_takes_a_held_lock(env: Env) -> None:
+    node = await env.client.get(Node, env.node)
+    assert node.metadata is not None
+    before = str(node.metadata.resourceVersion)  # the node as a cache saw it, lock free
+    holder_api = KubeSchedulerAPI(env.client, "extender-a")
+    holder = await env.pod("holder", {})
+    await holder_api.acquire_lock(env.node, NPU, holder)
+    stale = KubeSchedulerAPI(env.client, "extender-b", cached=lambda n, r: (before, None))
+    with pytest.raises(LockBusy):  # the CAS at the old version fails, and the read shows the holder
+        await stale.acquire_lock(env.node, NPU, await env.pod("other", {}))
+    await holder_api.release_lock(env.node, NPU, holder)
+    fresh_node = await env.client.get(Node, env.node)
+    assert fresh_node.metadata is not None
+    current = str(fresh_node.metadata.resourceVersion)
+    taker = await env.pod("taker", {})
+    await KubeSchedulerAPI(env.client, "extender-b", cached=lambda n, r: (current, None)).acquire_lock(
+        env.node, NPU, taker
+    )
+    lock = await StaticKeys(env.node, sharing_config(), env.client).lock(NPU)
+    assert lock is not None and lock.uid == taker.uid
+
+
 async def test_the_sweeper_fails_a_pod_never_admitted_and_frees_its_node(env: Env) -> None:
     takeovers: list[str] = []
     api = KubeSchedulerAPI(

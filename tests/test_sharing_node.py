@@ -176,6 +176,49 @@ async def test_containers_are_admitted_in_order_and_the_next_pod_waits_for_the_l
     assert await rig.scheduler.bind("default", "next", "uid-default-next", NODE) == ""
 
 
+def _restart(rig: Rig, started: float, count: int = 1) -> None:
+    """The node daemon restarts: a new wrapper over the same cluster, nothing kept in memory."""
+    cfg = sharing(splitCount=4, allocateTimeoutSeconds=0.3)
+    rig.backend = SharingBackend(sim(count), NPU, cfg, lambda: rig.link, NODE, clock=lambda: started)
+    rig.slots = rig.backend.discover()
+
+
+async def test_a_restart_mid_admission_never_hands_out_an_earlier_containers_limits() -> None:
+    rig = Rig(split=4, count=1)  # one device: both containers get the same devices
+    await rig.schedule(
+        pod("two", [{"example.com/npumem": 1000}, {"example.com/npumem": 2000, "example.com/npucores": 50}])
+    )
+    taken: set[str] = set()
+    _, env0 = await rig.admit(1, taken)
+    assert env0["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m"
+    _restart(rig, started=time.time())  # between c0's Allocate and c1's: the kubelet asks only for c1
+    with pytest.raises(BackendError, match="c0, c1 have the same devices but different limits"):
+        await rig.admit(1, taken)  # c0's grant (1000m, no core limit) must not go to c1
+    assert rig.cluster.events[-1][:2] == ("default/two", "KxpuAllocationRefused")
+
+
+async def test_after_a_restart_equal_grants_other_devices_and_later_pods_are_matched() -> None:
+    rig = Rig(split=4, count=1)
+    await rig.schedule(pod("same", [{"example.com/npumem": 1000, "example.com/npucores": 30}] * 2))
+    _restart(rig, started=time.time())  # the lock predates this process, the grants are equal
+    taken: set[str] = set()
+    envs = [(await rig.admit(1, taken))[1] for _ in range(2)]
+    assert [e["CUDA_DEVICE_MEMORY_LIMIT_0"] for e in envs] == ["1000m", "1000m"]
+    await rig.backend.settled()
+    assert rig.cluster.lock_holder(NODE, NPU) is None  # both allocated here: released
+    # a pod bound after the restart is matched in spec order as usual
+    await rig.schedule(pod("later", [{"example.com/npumem": 500}, {"example.com/npumem": 700}]))
+    envs = [(await rig.admit(1, taken))[1] for _ in range(2)]
+    assert [e["CUDA_DEVICE_MEMORY_LIMIT_0"] for e in envs] == ["500m", "700m"]
+
+    rig = Rig(split=4, count=2)  # spread: different devices tell the containers apart
+    await rig.schedule(pod("apart", [{"example.com/npumem": 500}, {"example.com/npumem": 700}]))
+    _restart(rig, started=time.time(), count=2)
+    taken = set()
+    envs = [(await rig.admit(1, taken))[1] for _ in range(2)]
+    assert [e["CUDA_DEVICE_MEMORY_LIMIT_0"] for e in envs] == ["500m", "700m"]
+
+
 async def test_the_decision_at_bind_counts_earlier_binds() -> None:
     rig = Rig(split=4, count=1)
     await rig.schedule(pod("a", [{"example.com/npumem": 10000}]))

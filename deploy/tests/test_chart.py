@@ -550,6 +550,17 @@ def test_webhook_configurations(sharing: Rendered, kind: str) -> None:
     assert rule["resources"] == ["pods"]
     assert rule["operations"] == (["CREATE"] if kind.startswith("Mutating") else ["CREATE", "UPDATE"])
     assert chart_values()["webhook"]["failurePolicy"] == "Fail"
+    if kind.startswith("Mutating"):
+        assert "matchConditions" not in hook
+    else:  # kxpu's own updates skip the call; every CREATE and everyone else's UPDATE is still validated
+        config = yaml.safe_load(sharing.one("ConfigMap", "kxpu-sharing")["data"]["control-plane.yaml"])
+        trusted = ",".join(f"'{u}'" for u in config["trustedUsers"])
+        assert hook["matchConditions"] == [
+            {
+                "name": "not-a-kxpu-update",
+                "expression": f"request.operation != 'UPDATE' || !(request.userInfo.username in [{trusted}])",
+            }
+        ]
 
 
 def test_webhook_certificate_from_cert_manager(helm: Path) -> None:

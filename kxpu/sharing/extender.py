@@ -275,6 +275,7 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
         lock_ttl_s=config.lock_timeout_seconds,
         hard_expiry_s=config.lock_hard_expiry_seconds,
         on_takeover=lambda why: metrics.LOCK_TAKEOVERS.labels(metrics.takeover_cause(why)).inc(),
+        cached=state.lock_view,
     )
     api = MeteredAPI(kube_api)
     scheduler = Scheduler(state, families, keys.current, api, config.node_policy, config.device_policy)

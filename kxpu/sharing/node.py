@@ -18,7 +18,16 @@
 
 The API server is behind ``NodeLink`` (``kxpu.sharing.kube.node`` for real; tests use an
 in-memory one). Kubelet call order makes "the next container" well defined: for one pod it
-admits containers in spec order, each with GetPreferredAllocation then Allocate per resource.
+admits containers in spec order, each with GetPreferredAllocation then Allocate per resource,
+so an Allocate goes to the first container not yet allocated whose devices are those offered.
+
+Which containers are allocated is kept in memory only. A wrapper that starts after the lock
+was taken (the lock's ``acquired``, by the extender's clock, against ours: a daemon restart, a
+rebuilt backend) may have missed some of the pod's Allocate calls, which the kubelet does not
+repeat, and nothing it sees tells which. When several containers it has not seen have the
+offered devices but different grants, it refuses rather than guess (one container with
+another's limits over-commits the device): the pod fails admission and its controller
+replaces it. The limit: such a pod is refused also when the restart came before its admission.
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ class _Pending:
     lock: NodeLock
     assignment: Assignment
     done: list[str]  # containers of this resource already allocated, in order
+    complete: bool  # this wrapper saw every Allocate of the pod, so ``done`` is all of them
 
 
 def slot_id(device_id: str, n: int) -> str:
@@ -102,6 +112,7 @@ class SharingBackend(Backend):
         self._published: tuple[SharedDevice, ...] | None = None
         self._inventory_changed: asyncio.Event | None = None
         self._pending: dict[str, _Pending] = {}  # pod uid → progress
+        self._started = clock()  # locks taken before this may have had Allocate calls we never saw
         self._background: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # where the background tasks run
         self._key = inventory.annotation_key(resource)
@@ -228,7 +239,10 @@ class SharingBackend(Backend):
         if not assignment.for_resource(self.resource):
             raise _Refusal(lock, f"pod {lock.pod}: its assignment gives no {self.resource} devices")
         previous = self._pending.get(lock.uid)
-        pending = _Pending(lock, assignment, previous.done if previous else [])
+        if previous is not None:
+            pending = _Pending(lock, assignment, previous.done, previous.complete)
+        else:
+            pending = _Pending(lock, assignment, [], lock.acquired >= self._started)
         self._pending = {lock.uid: pending}  # one pod per node and family at a time
         return pending
 
@@ -292,13 +306,21 @@ class SharingBackend(Backend):
             )
         pending = await self._wait_current()
         remaining = self._remaining(pending)
-        match = next((c for c in remaining if sorted(g.device for g in c.devices) == sorted(offered)), None)
+        candidates = [c for c in remaining if sorted(g.device for g in c.devices) == sorted(offered)]
+        match = candidates[0] if candidates else None
         if match is None:
             wanted = "; ".join(f"{c.container}: {', '.join(g.device for g in c.devices)}" for c in remaining)
             raise _Refusal(
                 pending.lock,
                 f"pod {pending.lock.pod}: the kubelet offered {', '.join(offered)} but the assignment gives "
                 f"{wanted or 'nothing more'} (kubelet and scheduler disagree; was the pod scheduled by kxpu?)",
+            )
+        if not pending.complete and any(set(c.devices) != set(match.devices) for c in candidates):
+            raise _Refusal(
+                pending.lock,
+                f"pod {pending.lock.pod}: containers {', '.join(c.container for c in candidates)} have the same "
+                "devices but different limits, and the node daemon restarted after the pod was bound: which "
+                "of them the kubelet already allocated cannot be told, so none is guessed",
             )
         pending.done.append(match.container)
         edits = self._edits(match)

@@ -30,6 +30,7 @@ from kxpu.sharing.state import ClusterState
 log = get_logger("kxpu.sharing.scheduler")
 
 _MEMO_SHAPES = 8
+_FILTERED_PODS = 4096  # pods kept from filter for their bind (kube-scheduler binds right after)
 _UNKNOWN = Misfit("node unknown to the kxpu scheduler (no inventory seen)")
 
 
@@ -93,6 +94,9 @@ class Scheduler:
             OrderedDict()
         )
         self._node_mutex: dict[str, asyncio.Lock] = {}
+        # uid → the pod as kube-scheduler sent it to filter: bind reads it here instead of from the API
+        self._filtered: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
+        self._background: set[asyncio.Task[None]] = set()
 
     def requests(self, pod: Mapping[str, Any]) -> list[PodRequest]:
         return parse_pod(pod, self.families)
@@ -136,6 +140,14 @@ class Scheduler:
             out.append((name, result))
         return out
 
+    def _remember(self, pod: Mapping[str, Any]) -> None:
+        uid = (pod.get("metadata") or {}).get("uid")
+        if uid:
+            self._filtered[str(uid)] = pod
+            self._filtered.move_to_end(str(uid))
+            while len(self._filtered) > _FILTERED_PODS:
+                self._filtered.popitem(last=False)
+
     def filter(self, pod: Mapping[str, Any], nodes: Sequence[str]) -> FilterResult:
         try:
             requests = self.requests(pod)
@@ -143,6 +155,7 @@ class Scheduler:
             return FilterResult([], {}, dict.fromkeys(nodes, str(exc)), error="")
         if not requests:
             return FilterResult(list(nodes), {}, {})
+        self._remember(pod)
         passed: list[str] = []
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
@@ -201,10 +214,16 @@ class Scheduler:
         if self.api is None:
             return "the extender has no API client to bind with"
         ref = PodRef(namespace, name, uid)
-        try:
-            pod = await self.api.get_pod(namespace, name)
-        except Exception as exc:
-            return f"cannot read pod {ref}: {exc}"
+        pod = self._filtered.pop(uid, None) if uid else None
+        meta = (pod or {}).get("metadata") or {}
+        if pod is None or (meta.get("namespace"), meta.get("name")) != (namespace, name):
+            # Not filtered by us since this extender started (or an odd request): read it. The copy from
+            # filter is as good: the fields a decision reads (requests, kxpu annotations) are immutable or
+            # kxpu's own, and a pod deleted meanwhile fails the bind's UID precondition.
+            try:
+                pod = await self.api.get_pod(namespace, name)
+            except Exception as exc:
+                return f"cannot read pod {ref}: {exc}"
         actual_uid = str((pod.get("metadata") or {}).get("uid", ""))
         if uid and actual_uid != uid:
             return f"pod {ref} was replaced (UID {actual_uid}, binding asked for {uid})"
@@ -273,8 +292,20 @@ class Scheduler:
             + ", ".join(f"{g.device} ({g.memory_mib} MiB, {g.cores}% cores)" for g in c.devices)
             for c in assignment.containers
         )
+        # Off the bind's path: kube-scheduler's next binding waits for this answer, not for the event.
+        task = asyncio.create_task(self._event(ref, "KxpuAssigned", f"assigned on {node}: {summary}"))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return ""
+
+    async def _event(self, ref: PodRef, reason: str, message: str) -> None:
+        assert self.api is not None
         try:
-            await self.api.event(ref, "KxpuAssigned", f"assigned on {node}: {summary}")
+            await self.api.event(ref, reason, message)
         except Exception as exc:  # an event is a courtesy; the bind stands
             log.debug("could not record an event", pod=str(ref), error=str(exc))
-        return ""
+
+    async def settled(self) -> None:
+        """Wait for events still being posted (tests)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)

@@ -47,12 +47,20 @@ class ClusterState:
         self._lock_keys = {r: lock_key(r) for r in self.resources}
         self._locked: set[str] = set()  # nodes whose lock (any family) a pod holds between bind and Allocate
         self._locks: dict[str, dict[str, str]] = {}  # node → resource → lock text, as last seen
+        self._versions: dict[str, str] = {}  # node → the Node object's resourceVersion, as last seen
         self.generation = 0  # moves on every change of any node's devices or usage
+        self._retired_version = 0  # the highest version a removed node reached
 
     # -- nodes ---------------------------------------------------------------------------------
 
-    def set_node(self, name: str, annotations: Mapping[str, str]) -> None:
+    def set_node(
+        self, name: str, annotations: Mapping[str, str], resource_version: str | None = None
+    ) -> None:
         """A node was added or changed: decode the inventories whose annotation text changed."""
+        if resource_version is None:
+            self._versions.pop(name, None)
+        else:
+            self._versions[name] = resource_version
         locks = {r: annotations[key] for r, key in self._lock_keys.items() if key in annotations}
         if locks:
             self._locked.add(name)
@@ -60,9 +68,7 @@ class ClusterState:
         else:
             self._locked.discard(name)
             self._locks.pop(name, None)
-        entry = self._nodes.get(name)
-        if entry is None:
-            entry = self._nodes[name] = _NodeEntry(NodeState(name), {}, {})
+        entry = self._entry(name)
         changed = False
         for resource, key in self._keys.items():
             text = annotations.get(key)
@@ -95,18 +101,30 @@ class ClusterState:
 
     def set_inventory(self, name: str, inv: NodeInventory) -> None:
         """Tests and benchmarks: install an inventory without the annotation round trip."""
-        entry = self._nodes.get(name)
-        if entry is None:
-            entry = self._nodes[name] = _NodeEntry(NodeState(name), {}, {})
+        entry = self._entry(name)
         entry.state.set_inventory(inv)
         entry.seen[inv.resource] = self.clock()
         self._recount(name)
         self.generation += 1
 
+    def _entry(self, name: str) -> _NodeEntry:
+        """The node's entry, created with versions above every removed node's.
+
+        Caches key results by (node, version) (the scheduler's fit memo): a node deleted and
+        re-created under its name must never show a version its predecessor had.
+        """
+        entry = self._nodes.get(name)
+        if entry is None:
+            entry = self._nodes[name] = _NodeEntry(NodeState(name, version=self._retired_version + 1), {}, {})
+        return entry
+
     def remove_node(self, name: str) -> None:
-        self._nodes.pop(name, None)
+        entry = self._nodes.pop(name, None)
+        if entry is not None:
+            self._retired_version = max(self._retired_version, entry.state.version)
         self._locked.discard(name)
         self._locks.pop(name, None)
+        self._versions.pop(name, None)
         self.generation += 1
 
     def node(self, name: str) -> NodeState | None:
@@ -126,6 +144,17 @@ class ClusterState:
     def locked(self, name: str) -> bool:
         """Whether a pod holds the node's lock, as last seen (a bind there would wait for its Allocate)."""
         return name in self._locked
+
+    def lock_view(self, name: str, resource: str) -> tuple[str, str | None] | None:
+        """(resourceVersion, lock text or None) of the node as last seen; None if unknown.
+
+        Lets the extender take a free lock with one compare-and-swap instead of a read first;
+        a stale view only costs a 409 and the read.
+        """
+        version = self._versions.get(name)
+        if version is None:
+            return None
+        return version, self._locks.get(name, {}).get(resource)
 
     def held_locks(self) -> list[tuple[str, str, str]]:
         """(node, resource, lock text) of every node lock as last seen: what the lock sweeper checks."""

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kxpu.sharing.lock import NodeLock, allocated_key, holder_state, lock_key
+from kxpu.sharing.lock import HARD_EXPIRED, NodeLock, allocated_key, holder_state, lock_key
 from kxpu.sharing.model import NodeInventory, SharedDevice
 from kxpu.sharing.scheduler import LockBusy, PodRef
 
@@ -122,6 +122,9 @@ class FakeCluster:
             )
             if not free:
                 raise LockBusy(f"{node} is locked for {resource} by {lock.pod}")
+            holder = self._holder(lock)
+            if free == HARD_EXPIRED and holder is not None:  # as the real API: failed before the handover
+                holder.setdefault("status", {}).update(phase="Failed", reason="KxpuAllocationExpired")
         annotations[lock_key(resource)] = NodeLock(
             pod.namespace, pod.name, pod.uid, "test", now, now + self.lock_ttl_s
         ).encode()

@@ -37,12 +37,15 @@ class KubeSchedulerAPI:
         lock_ttl_s: float = 60.0,
         hard_expiry_s: float = 600.0,
         on_takeover: Callable[[str], None] = lambda why: None,
+        cached: Callable[[str, str], tuple[str, str | None] | None] = lambda node, resource: None,
     ) -> None:
         self.client = client
         self.owner = owner
         self.lock_ttl_s = lock_ttl_s
         self.hard_expiry_s = hard_expiry_s
         self.on_takeover = on_takeover  # told why each stale lock was taken over (the extender counts them)
+        # (resourceVersion, lock text) of a node as the node cache last saw it (ClusterState.lock_view)
+        self.cached = cached
 
     async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
         pod = await self.client.get(Pod, name, namespace=namespace)
@@ -56,8 +59,21 @@ class KubeSchedulerAPI:
                 return None
             raise
 
+    def _new_lock(self, pod: PodRef) -> str:
+        t = now()
+        return NodeLock(pod.namespace, pod.name, pod.uid, self.owner, t, t + self.lock_ttl_s).encode()
+
     async def acquire_lock(self, node: str, resource: str, pod: PodRef) -> None:
         key = lock_key(resource)
+        view = self.cached(node, resource)
+        # Free as the cache last saw it: one compare-and-swap at that version, no read. If the node
+        # moved on since (a lock, a heartbeat), the 409 sends us the long way below.
+        if (
+            view is not None
+            and view[1] is None
+            and await self._cas(node, view[0], {key: self._new_lock(pod)})
+        ):
+            return
         for _ in range(_CAS_ATTEMPTS):
             obj = await self.client.get(Node, node)
             held = annotations_of(obj).get(key)
@@ -75,11 +91,11 @@ class KubeSchedulerAPI:
                             raise LockBusy(
                                 f"node {node} is locked for {resource} by pod {lock.pod} (until it is admitted)"
                             )
+                        if why == HARD_EXPIRED and not await self._fail_unadmitted(lock, node, resource):
+                            continue  # the holder changed meanwhile: look again
                         log.info("taking over a node lock", node=node, previous=lock.pod, because=why)
                         self.on_takeover(why)
-            t = now()
-            value = NodeLock(pod.namespace, pod.name, pod.uid, self.owner, t, t + self.lock_ttl_s).encode()
-            if await self._cas(node, version_of(obj), {key: value}):
+            if await self._cas(node, version_of(obj), {key: self._new_lock(pod)}):
                 return
         raise LockBusy(f"node {node}: the lock kept changing under us")
 
@@ -103,41 +119,54 @@ class KubeSchedulerAPI:
         why = holder_state(lock, holder, resource, node, now(), self.hard_expiry_s)
         if why is None:
             return None
-        if why == HARD_EXPIRED and holder is not None:
-            message = (
-                f"not admitted on node {node} within {self.hard_expiry_s:g} s of being bound (is its kubelet "
-                f"down?); failed so that the node's {resource} lock can go to the next pod"
-            )
-            status = {"phase": "Failed", "reason": "KxpuAllocationExpired", "message": message}
-            try:
-                await self.client.patch(
-                    Pod.Status,
-                    lock.name,
-                    {"metadata": {"uid": lock.uid}, "status": status},
-                    namespace=lock.namespace,
-                    patch_type=PatchType.MERGE,
-                )
-            except ApiError as exc:
-                if not is_status(exc, 404, 409):
-                    raise
-                return None  # gone or replaced meanwhile: the next sweep sees that
-            try:
-                await post_event(
-                    self.client,
-                    "Pod",
-                    lock.namespace,
-                    lock.name,
-                    lock.uid,
-                    "KxpuAllocationExpired",
-                    message,
-                    "kxpu-scheduler",
-                )
-            except ApiError as exc:
-                log.warning("could not post an event", pod=lock.pod, error=str(exc))
+        if (
+            why == HARD_EXPIRED
+            and holder is not None
+            and not await self._fail_unadmitted(lock, node, resource)
+        ):
+            return None  # gone or replaced meanwhile: the next sweep sees that
         await release(self.client, node, resource, lock.uid)
         log.info("released a stale node lock", node=node, resource=resource, pod=lock.pod, because=why)
         self.on_takeover(why)
         return why
+
+    async def _fail_unadmitted(self, lock: NodeLock, node: str, resource: str) -> bool:
+        """Mark the lock's pod Failed (bound here, never admitted by the hard expiry), with a Warning event.
+
+        Before its lock goes to another pod, so that a kubelet that comes back never admits it under
+        that pod's lock (it would get the other pod's grant). False if the pod is gone or replaced.
+        """
+        message = (
+            f"not admitted on node {node} within {self.hard_expiry_s:g} s of being bound (is its kubelet "
+            f"down?); failed so that the node's {resource} lock can go to the next pod"
+        )
+        status = {"phase": "Failed", "reason": "KxpuAllocationExpired", "message": message}
+        try:
+            await self.client.patch(
+                Pod.Status,
+                lock.name,
+                {"metadata": {"uid": lock.uid}, "status": status},
+                namespace=lock.namespace,
+                patch_type=PatchType.MERGE,
+            )
+        except ApiError as exc:
+            if not is_status(exc, 404, 409):
+                raise
+            return False
+        try:
+            await post_event(
+                self.client,
+                "Pod",
+                lock.namespace,
+                lock.name,
+                lock.uid,
+                "KxpuAllocationExpired",
+                message,
+                "kxpu-scheduler",
+            )
+        except ApiError as exc:
+            log.warning("could not post an event", pod=lock.pod, error=str(exc))
+        return True
 
     async def _cas(self, node: str, version: str | None, annotations: Mapping[str, str | None]) -> bool:
         return await cas_node_annotations(self.client, node, version, annotations)

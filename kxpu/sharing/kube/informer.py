@@ -21,7 +21,14 @@ from lightkube.resources.core_v1 import Node, Pod
 
 from kxpu.logs import get_logger
 from kxpu.sharing import signing
-from kxpu.sharing.kube.client import ASSIGNED_POD_LABEL, SHARING_NODE_LABEL, annotations_of, name_of, uid_of
+from kxpu.sharing.kube.client import (
+    ASSIGNED_POD_LABEL,
+    SHARING_NODE_LABEL,
+    annotations_of,
+    name_of,
+    uid_of,
+    version_of,
+)
 from kxpu.sharing.model import Assignment
 from kxpu.sharing.state import ClusterState
 
@@ -126,7 +133,7 @@ class Informer:
         async for node in listing:
             name = name_of(node)
             seen.add(name)
-            self.state.set_node(name, annotations_of(node))
+            self.state.set_node(name, annotations_of(node), version_of(node))
         for gone in set(self.state.node_names) - seen:
             self.state.remove_node(gone)
         self._mark("nodes")
@@ -138,7 +145,7 @@ class Informer:
             if event == "DELETED":
                 self.state.remove_node(name)
             else:
-                self.state.set_node(name, annotations_of(node))
+                self.state.set_node(name, annotations_of(node), version_of(node))
 
     async def _sync_pods(self) -> None:
         listing = self.client.list(Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"})
