@@ -9,10 +9,13 @@ node daemon does after Allocate (marks the pod allocated and releases the node l
 pod as a real one would. Pods are created by ``--concurrency`` concurrent clients, as fast as the API server
 takes them.
 
-Reported: pods bound per second (from the first create to the last bind) and the bind latency (create
-answered → binding seen by a watch), p50/p99. Target: >= 50 pods/s. Everything created is deleted.
+Reported: pods bound per second (from the first create to the last bind), the bind latency (create
+answered → binding seen by a watch), p50/p99, the CPU each process used meanwhile and the extender's own
+time per filter/prioritize/bind. Target: >= 50 pods/s. ``--baseline`` runs plain pods through the cluster's
+own kube-scheduler instead (no extender, no lock): what this machine does without kxpu. Everything created
+is deleted.
 
-``python bench/bench_sharing_e2e.py [--nodes 500] [--pods 1000] [--policy spread] [--json]``
+``python bench/bench_sharing_e2e.py [--nodes 500] [--pods 1000] [--policy spread] [--baseline] [--json]``
 """
 
 from __future__ import annotations

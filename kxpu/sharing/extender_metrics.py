@@ -40,7 +40,8 @@ LOCK_BUSY = Counter(
 )
 LOCK_TAKEOVERS = Counter(
     "kxpu_scheduler_lock_takeovers",
-    "Node locks taken over from a pod that no longer holds them, by cause (expired, recovered)",
+    "Node locks taken over (at a bind) or released (by the sweeper) from a pod that no longer holds them, "
+    "by cause (expired, recovered)",
     ["cause"],
 )
 CACHE_SYNCED = "kxpu_scheduler_cache_synced"
