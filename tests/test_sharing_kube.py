@@ -27,7 +27,7 @@ from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
 from kxpu.model import BackendError
 from kxpu.sharing import signing
 from kxpu.sharing.config import KeySource, SharingConfig
-from kxpu.sharing.kube.api import KubeSchedulerAPI
+from kxpu.sharing.kube.api import KubeSchedulerAPI, release
 from kxpu.sharing.kube.informer import Informer
 from kxpu.sharing.kube.keys import KeyStore
 from kxpu.sharing.kube.node import KubeNodeLink
@@ -167,6 +167,36 @@ async def test_a_bind_after_the_hard_expiry_fails_the_unadmitted_holder_first(en
         "Failed",
         "KxpuAllocationExpired",
     )
+
+
+async def test_release_with_the_text_read_removes_only_that_lock(env: Env) -> None:
+    api = KubeSchedulerAPI(env.client, "extender")
+    link = StaticKeys(env.node, sharing_config(), env.client)
+    first = await env.pod("first", {})
+    await api.acquire_lock(env.node, NPU, first)
+    lock = await link.lock(NPU)
+    assert lock is not None
+    await release(env.client, env.node, NPU, "someone-else", "not the lock's text")  # test fails: kept
+    assert await link.lock(NPU) == lock
+    reads: list[Any] = []
+    real_get = env.client.get
+
+    async def counting_get(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args)
+        return await real_get(*args, **kwargs)
+
+    env.client.get = counting_get  # type: ignore[method-assign]
+    try:
+        await release(env.client, env.node, NPU, first.uid, lock.encode())  # one JSON patch, no read
+    finally:
+        del env.client.get
+    assert reads == [] and await link.lock(NPU) is None
+    await release(env.client, env.node, NPU, first.uid, lock.encode())  # already gone: no error
+    second = await env.pod("second", {})
+    await api.acquire_lock(env.node, NPU, second)
+    await release(env.client, env.node, NPU, first.uid, lock.encode())  # first's text: second's lock stays
+    held = await link.lock(NPU)
+    assert held is not None and held.uid == second.uid
 
 
 async def test_a_stale_cached_view_never_takes_a_held_lock(env: Env) -> None:

@@ -125,7 +125,7 @@ class KubeSchedulerAPI:
             and not await self._fail_unadmitted(lock, node, resource)
         ):
             return None  # gone or replaced meanwhile: the next sweep sees that
-        await release(self.client, node, resource, lock.uid)
+        await release(self.client, node, resource, lock.uid, text)
         log.info("released a stale node lock", node=node, resource=resource, pod=lock.pod, because=why)
         self.on_takeover(why)
         return why
@@ -205,9 +205,22 @@ async def cas_node_annotations(
     return True
 
 
-async def release(client: AsyncClient, node: str, resource: str, uid: str) -> None:
-    """Remove the node lock if it still names the pod ``uid`` (compare-and-swap)."""
+async def release(client: AsyncClient, node: str, resource: str, uid: str, held: str | None = None) -> None:
+    """Remove the node lock if it still names the pod ``uid`` (compare-and-swap).
+
+    With ``held`` (the lock's text as the caller read it) one JSON patch does it: test that the
+    annotation is still that text, then remove it; anything else falls back to read and compare.
+    """
     key = lock_key(resource)
+    if held is not None:
+        path = "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
+        ops = [{"op": "test", "path": path, "value": held}, {"op": "remove", "path": path}]
+        try:
+            await client.patch(Node, node, ops, patch_type=PatchType.JSON)
+            return
+        except ApiError as exc:
+            if not is_status(exc, 409, 422):
+                raise
     for _ in range(_CAS_ATTEMPTS):
         obj = await client.get(Node, node)
         held = annotations_of(obj).get(key)

@@ -66,7 +66,7 @@ class KubeNodeLink:
         except ApiError as exc:
             if not is_status(exc, 404, 409, 422):
                 raise
-        await release(self.client, self.node, resource, lock.uid)
+        await release(self.client, self.node, resource, lock.uid, lock.encode())
 
     async def warn(self, lock: NodeLock | None, reason: str, message: str) -> None:
         if lock is not None:
