@@ -218,8 +218,9 @@ class Scheduler:
         meta = (pod or {}).get("metadata") or {}
         if pod is None or (meta.get("namespace"), meta.get("name")) != (namespace, name):
             # Not filtered by us since this extender started (or an odd request): read it. The copy from
-            # filter is as good: the fields a decision reads (requests, kxpu annotations) are immutable or
-            # kxpu's own, and a pod deleted meanwhile fails the bind's UID precondition.
+            # filter is as good: requests are immutable, an edit of the placement annotations between filter
+            # and bind races either way, and a pod deleted or re-created meanwhile fails the UID preconditions
+            # of the assignment patch and the binding.
             try:
                 pod = await self.api.get_pod(namespace, name)
             except Exception as exc:
