@@ -183,6 +183,30 @@ def _restart(rig: Rig, started: float, count: int = 1) -> None:
     rig.slots = rig.backend.discover()
 
 
+async def test_allocate_reuses_what_preferred_allocation_just_verified_and_reads_again_on_doubt() -> None:
+    rig = Rig()
+    reads: list[str] = []
+    real_lock = rig.link.lock
+
+    async def counting_lock(resource: str) -> NodeLock | None:
+        reads.append(resource)
+        return await real_lock(resource)
+
+    rig.link.lock = counting_lock  # type: ignore[method-assign]
+    await rig.schedule(pod("a", [{"example.com/npumem": 1000}, {"example.com/npumem": 2000}]))
+    taken: set[str] = set()
+    _, env = await rig.admit(1, taken)  # GetPreferredAllocation reads the lock; its Allocate does not
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m" and len(reads) == 1
+    # An Allocate for devices the steered pod does not have (the kubelet chose otherwise) reads again
+    # before it refuses.
+    chosen = await rig.backend.preferred_allocation_async(rig.free(taken), [], 1)
+    other = [d for d in rig.free(taken) if parent_id(d.id) != parent_id(chosen[0])][:1]
+    assert len(reads) == 2
+    with pytest.raises(BackendError, match="kubelet and scheduler disagree"):
+        await rig.backend.allocate_async(other)
+    assert len(reads) == 3
+
+
 async def test_a_restart_mid_admission_never_hands_out_an_earlier_containers_limits() -> None:
     rig = Rig(split=4, count=1)  # one device: both containers get the same devices
     await rig.schedule(

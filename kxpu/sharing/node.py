@@ -49,6 +49,7 @@ from kxpu.sharing.model import Assignment, ContainerAssignment, NodeInventory, S
 log = get_logger("kxpu.sharing.node")
 
 SLOT_SEPARATOR = "::"
+_STEERED_REUSE_S = 1.0  # how long GetPreferredAllocation's verified pod serves the Allocate after it
 
 
 class NodeLink(Protocol):
@@ -112,6 +113,9 @@ class SharingBackend(Backend):
         self._published: tuple[SharedDevice, ...] | None = None
         self._inventory_changed: asyncio.Event | None = None
         self._pending: dict[str, _Pending] = {}  # pod uid → progress
+        # What GetPreferredAllocation just verified, and when: the kubelet's Allocate for the same
+        # container follows at once, so it need not read the lock again (_allocate).
+        self._steered: tuple[_Pending, float] | None = None
         self._started = clock()  # locks taken before this may have had Allocate calls we never saw
         self._background: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # where the background tasks run
@@ -261,6 +265,10 @@ class SharingBackend(Backend):
     def _remaining(self, pending: _Pending) -> list[ContainerAssignment]:
         return [c for c in pending.assignment.for_resource(self.resource) if c.container not in pending.done]
 
+    def _candidates(self, pending: _Pending, offered: Sequence[str]) -> list[ContainerAssignment]:
+        """Containers not yet allocated whose devices are exactly the offered parents."""
+        return [c for c in self._remaining(pending) if sorted(g.device for g in c.devices) == sorted(offered)]
+
     async def preferred_allocation_async(
         self, available: Sequence[Device], must_include: Sequence[Device], size: int
     ) -> list[str]:
@@ -269,6 +277,7 @@ class SharingBackend(Backend):
         except (_Refusal, BackendError) as exc:
             log.warning("no assignment to steer by; the NUMA default is offered", error=str(exc))
             return numa_packed(available, must_include, size)
+        self._steered = (pending, time.monotonic())
         for container in self._remaining(pending):
             if len(container.devices) != size:
                 continue
@@ -304,9 +313,20 @@ class SharingBackend(Backend):
             raise _Refusal(
                 None, f"the kubelet offered two slots of one device: {', '.join(d.id for d in devices)}"
             )
-        pending = await self._wait_current()
+        steered, self._steered = self._steered, None
+        pending: _Pending | None = None
+        if (
+            steered is not None
+            and time.monotonic() - steered[1] < _STEERED_REUSE_S
+            and self._pending.get(steered[0].lock.uid) is steered[0]
+        ):
+            pending = steered[0]  # verified by this container's GetPreferredAllocation a moment ago
+            if not self._candidates(pending, offered):
+                pending = None  # not what it steered to: read the lock again rather than refuse on it
+        if pending is None:
+            pending = await self._wait_current()
         remaining = self._remaining(pending)
-        candidates = [c for c in remaining if sorted(g.device for g in c.devices) == sorted(offered)]
+        candidates = self._candidates(pending, offered)
         match = candidates[0] if candidates else None
         if match is None:
             wanted = "; ".join(f"{c.container}: {', '.join(g.device for g in c.devices)}" for c in remaining)
