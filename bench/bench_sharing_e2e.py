@@ -36,6 +36,7 @@ from lightkube import AsyncClient, codecs
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -186,12 +187,12 @@ def extender_request_seconds() -> dict[str, tuple[float, float]]:
         return {}
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
-    for line in text.splitlines():
-        for suffix, into in (("_sum", sums), ("_count", counts)):
-            head = f'kxpu_scheduler_request_duration_seconds{suffix}{{verb="'
-            if line.startswith(head):
-                verb = line[len(head) :].split('"', 1)[0]
-                into[verb] = float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        if family.name == "kxpu_scheduler_request_duration_seconds":
+            for sample in family.samples:
+                into = {"_sum": sums, "_count": counts}.get(sample.name.removeprefix(family.name))
+                if into is not None:
+                    into[sample.labels["verb"]] = sample.value
     return {verb: (sums[verb], counts.get(verb, 0.0)) for verb in sums}
 
 
