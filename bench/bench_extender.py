@@ -48,7 +48,9 @@ TARGET_P99_MS_1000 = 20.0
 
 
 def populated_state(nodes: int, rng: random.Random) -> ClusterState:
-    state = ClusterState(["nvidia.com/gpu"])
+    # with a staleness limit, as `kxpu scheduler` runs (every lookup checks it); long enough that no
+    # inventory goes stale during the run on a slow machine (it defaults to 120 s)
+    state = ClusterState(["nvidia.com/gpu"], stale_after_s=3600.0)
     serial = 0
     for n in range(nodes):
         name = f"node-{n:05d}"

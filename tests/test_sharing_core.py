@@ -478,6 +478,37 @@ def test_state_drops_stale_inventories() -> None:
     assert node is not None and not node.families
 
 
+def test_nodes_answers_what_node_answers_family_by_family() -> None:
+    """``nodes`` (filter's lookup for every node) settles fresh nodes by their oldest refresh only."""
+    now = [0.0]
+    state = ClusterState(["nvidia.com/gpu", "example.com/npu"], stale_after_s=120, clock=lambda: now[0])
+    gpu, npu = inv.annotation_key("nvidia.com/gpu"), inv.annotation_key("example.com/npu")
+    gpus = inv.encode(inventory(count=1))
+    npus = inv.encode(inventory("example.com/npu", count=1, prefix="npu"))
+    state.set_node("n", {gpu: gpus})
+    now[0] = 100
+    state.set_node("n", {gpu: gpus, npu: npus})  # the NPUs appear later: the GPUs' refresh is the oldest
+    state.set_node("m", {})
+
+    def families() -> list[set[str] | None]:
+        views = state.nodes(["n", "m", "gone"])
+        assert [v and (v.version, set(v.families)) for v in views] == [
+            v and (v.version, set(v.families)) for v in (state.node("n"), state.node("m"), state.node("gone"))
+        ]
+        return [None if v is None else set(v.families) for v in views]
+
+    assert families() == [{"nvidia.com/gpu", "example.com/npu"}, set(), None]
+    now[0] = 121  # the GPUs' inventory is stale, the NPUs' is not
+    assert families() == [{"example.com/npu"}, set(), None]
+    assert (view := state.nodes(["n"])[0]) is not None and view.version == -1  # a copy: never memoized
+    state.set_node(
+        "n", {gpu: inv.encode(dataclasses.replace(inventory(count=1), published_at=5.0)), npu: npus}
+    )
+    assert families() == [{"nvidia.com/gpu", "example.com/npu"}, set(), None]  # a heartbeat refreshed them
+    now[0] = 221
+    assert families() == [{"nvidia.com/gpu"}, set(), None]
+
+
 # -- the property: nothing is ever over-committed -------------------------------------------
 
 
@@ -629,6 +660,107 @@ def test_the_fast_path_chooses_what_the_full_scan_chooses(
         return sorted(round(by_id[i].utilization(), 9) for i in ids)
 
     assert utils([g.device for g in fast.containers[0].devices]) == utils([s.device.id for s, _ in full])
+
+
+mostly = st.sampled_from([True, True, True, False])
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    usage=st.lists(  # per device: memory, cores, containers, held exclusively, healthy
+        st.tuples(
+            st.integers(0, 20000), st.integers(0, 110), st.integers(0, 4), mostly.map(lambda b: not b), mostly
+        ),
+        max_size=5,
+    ),
+    split=st.integers(1, 4),
+    memory_scaling=st.sampled_from([1.0, 1.5]),
+    core_scaling=st.sampled_from([1.0, 2.0]),
+    # mostly pods that the summary answers; the others must reach fit_pod
+    variant=st.sampled_from(
+        ["plain"] * 5 + ["numa", "two containers", "uuid filter", "mixed", "two families"]
+    ),
+    pod_policy=st.one_of(st.none(), st.sampled_from(list(Policy))),
+    node_policy=st.sampled_from(list(Policy)),
+    device_policy=st.sampled_from(list(Policy)),
+    data=st.data(),
+)
+def test_the_quick_scorer_never_rejects_what_fit_pod_accepts_and_scores_it_the_same(
+    usage: list[tuple[int, int, int, bool, bool]],
+    split: int,
+    memory_scaling: float,
+    core_scaling: float,
+    variant: str,
+    pod_policy: Policy | None,
+    node_policy: Policy,
+    device_policy: Policy,
+    data: st.DataObject,
+) -> None:
+    """Filter and prioritize answer from a node's summary (fit_scorer); bind places with fit_pod.
+
+    Whatever the usage, a node the summary rejects fit_pod rejects too, with the same reason,
+    and one it accepts gets fit_pod's score to the bit; again after grants move its version.
+    Requests are drawn around what the devices have left, so that they meet the limits exactly.
+    """
+    from kxpu.sharing.fit import fit_scorer
+    from kxpu.sharing.model import DeviceFilter
+
+    family = inventory(
+        count=len(usage),
+        memory_mib=16000,
+        split=split,
+        memory_scaling=memory_scaling,
+        core_scaling=core_scaling,
+    )
+    devices = [dataclasses.replace(d, healthy=u[4]) for d, u in zip(family.devices, usage, strict=True)]
+    if variant == "mixed" and devices:  # one device unlike the others: the family takes the full scan
+        devices[0] = dataclasses.replace(devices[0], memory_mib=8000, memory_capacity_mib=8000)
+    node = _node(NodeInventory("nvidia.com/gpu", tuple(devices)))
+    states = node.families["nvidia.com/gpu"]
+    for state, (memory, cores, slots, exclusive, _) in zip(states, usage, strict=True):
+        state.memory, state.cores, state.slots, state.exclusive = memory, cores, slots, int(exclusive)
+    node.version += 1
+
+    left = [
+        (s.memory_capacity - s.memory + d, s.core_capacity - s.cores + d) for s in states for d in (-1, 0, 1)
+    ]
+    memory_st = st.integers(1, 20000) | st.sampled_from([m for m, _ in left if m > 0] or [1])
+    cores_st = st.sampled_from([0, 10, 50, 100]) | st.sampled_from(
+        [c for _, c in left if 0 <= c <= 100] or [0]
+    )
+    container_st = st.tuples(
+        st.integers(1, 3),
+        st.none() | memory_st,
+        st.sampled_from([25, 50, 100]) | st.integers(1, 100),
+        cores_st,
+    )
+    containers = data.draw(
+        st.lists(container_st, min_size=1, max_size=2 if variant == "two containers" else 1)
+    )
+    avoid = {devices[0].uuid} if variant == "uuid filter" and devices else set()
+    requests = [
+        PodRequest(
+            "nvidia.com/gpu",
+            tuple(
+                ContainerRequest(f"c{i}", count, memory, None if memory is not None else pct, cores)
+                for i, (count, memory, pct, cores) in enumerate(containers)
+            ),
+            device_filter=DeviceFilter(nouse_uuids=frozenset(avoid)),
+            numa_bind=variant == "numa",
+            node_policy=pod_policy,
+        )
+    ]
+    if variant == "two families":
+        requests.append(PodRequest("example.com/npu", (ContainerRequest("c9", 1, 100, None, 0),)))
+    score = fit_scorer(requests, node_policy, device_policy)
+    for _ in range(3):
+        expected = fit_pod(requests, node, node_policy, device_policy)
+        answer = score(node)
+        if isinstance(expected, Misfit):
+            assert answer == expected
+            return
+        assert answer == expected.score
+        node.apply(expected.containers)  # the node changes: its summary must follow
 
 
 def test_the_informer_counts_only_live_verified_assignments() -> None:

@@ -7,11 +7,14 @@ never changes the state it is given. A device takes a container only if it is he
 accepted by the pod's type/UUID filter, below its split count, has the memory and cores
 left, and is not held exclusively — and an exclusive request (100 cores) needs a device
 nobody uses. With NUMA binding a container's devices all come from one NUMA node.
+
+``fit_scorer`` gives filter and prioritize ``fit_pod``'s verdict and score without the
+placement, for the common pod from a per-node summary of each device family.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kxpu.sharing.model import (
@@ -78,6 +81,8 @@ class NodeState:
     _util: dict[str, tuple[int, float, int]] = field(default_factory=dict)
     # (resource, policy) → (version, usable devices in preference order), for homogeneous families only
     _order: dict[tuple[str, Policy], tuple[int, list[DeviceState] | None]] = field(default_factory=dict)
+    # resource → (version, the family's summary, None for a mixed or missing family)
+    _summary: dict[str, tuple[int, FamilySummary | None]] = field(default_factory=dict)
 
     def set_inventory(self, inventory: NodeInventory) -> None:
         self.families[inventory.resource] = [DeviceState(d) for d in inventory.devices]
@@ -111,9 +116,8 @@ class NodeState:
         if cached is not None and cached[0] == self.version:
             return cached[1]
         states = self.families.get(resource, [])
-        shape = {(s.memory_mib, s.memory_capacity, s.core_capacity, s.split) for s in states}
         order: list[DeviceState] | None = None
-        if len(shape) == 1:
+        if _homogeneous(states):
             usable = [s for s in states if s.usable]
             sign = -1.0 if policy is Policy.BINPACK else 1.0
 
@@ -124,6 +128,46 @@ class NodeState:
             order = sorted(usable, key=key)
         self._order[(resource, policy)] = (self.version, order)
         return order
+
+    def summary(self, resource: str) -> FamilySummary | None:
+        """The family reduced to what decides a one-container fit (see ``FamilySummary``), if homogeneous."""
+        cached = self._summary.get(resource)
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
+        states = self.families.get(resource, [])
+        summary: FamilySummary | None = None
+        if _homogeneous(states):
+            total, healthy = self.utilization_sum(resource)
+            takers: list[tuple[int, int, int]] = []
+            closed: dict[str, int] = {}
+            for s in states:
+                # as _reason, in its order, for what does not depend on the request (usable: healthy)
+                why = (
+                    "unhealthy"
+                    if not s.usable
+                    else "held exclusively"
+                    if s.exclusive
+                    else "split count reached"
+                    if s.slots >= s.split
+                    else ""
+                )
+                if why:
+                    closed[why] = closed.get(why, 0) + 1
+                else:
+                    takers.append((s.memory_capacity - s.memory, s.core_capacity - s.cores, s.slots))
+            first = states[0]
+            summary = FamilySummary(
+                tuple(sorted(takers, reverse=True)),  # most free memory first: usually settles a fit at once
+                tuple(closed.items()),
+                first.memory_mib,
+                first.inv_memory,
+                first.inv_cores,
+                first.inv_split,
+                total,
+                healthy,
+            )
+        self._summary[resource] = (self.version, summary)
+        return summary
 
     def apply(self, assignment: Assignment | Iterable[ContainerAssignment], sign: int = 1) -> None:
         """Add (sign 1) or remove (sign -1) what an assignment uses; unknown devices are skipped."""
@@ -143,6 +187,35 @@ class NodeState:
                 if grant.cores >= EXCLUSIVE_CORES:
                     state.exclusive += sign
         self.version += 1
+
+
+def _homogeneous(states: Sequence[DeviceState]) -> bool:
+    """Whether a family's devices all have the same capacities and split count (and there are some)."""
+    return len({(s.memory_mib, s.memory_capacity, s.core_capacity, s.split) for s in states}) == 1
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySummary:
+    """A homogeneous family at one node version, reduced to what decides a one-container fit and its score.
+
+    When every device has the same capacities and split count, a grant adds the same
+    utilization whichever device takes it, so whether a container fits, and the node's
+    score after it, depend only on how many devices have room for it, never on which
+    ones ``fit_container`` would pick: ``fit_scorer`` answers from this without ranking
+    devices or building a ``Placement``. A node without room is rejected as quickly, and
+    its misfit reason counted from ``closed`` and the few ``takers``, not device by device.
+    """
+
+    # (free memory, free cores, containers) of each device that may take one more container, most memory first
+    takers: tuple[tuple[int, int, int], ...]
+    # why the others take none ("unhealthy", "held exclusively", "split count reached") and how many
+    closed: tuple[tuple[str, int], ...]
+    memory_mib: int  # physical memory of each device (what a percentage is of)
+    inv_memory: float
+    inv_cores: float
+    inv_split: float
+    utilization: float  # sum over healthy devices, as ``NodeState.utilization_sum``
+    healthy: int
 
 
 class Placement:
@@ -265,13 +338,7 @@ def fit_container(
         return [(best[2], best[3])]
     count = req.count
     if found < count:
-        reasons: dict[str, int] = {}
-        for state in states:
-            why = _reason(state, req, device_filter, extra)
-            if why != "fits":
-                reasons[why] = reasons.get(why, 0) + 1
-        detail = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "no devices"
-        return f"container {req.container!r} needs {count}, {found} fit ({detail})"
+        return _shortfall(states, req, device_filter, extra, found)
     candidates.sort(key=_rank)
     if not numa_bind:
         return [(c[2], c[3]) for c in candidates[:count]]
@@ -289,6 +356,27 @@ def fit_container(
     if chosen is None:
         return f"container {req.container!r} needs {count} devices on one NUMA node, none has them"
     return [(c[2], c[3]) for c in chosen]
+
+
+def _shortfall(
+    states: Sequence[DeviceState],
+    req: ContainerRequest,
+    device_filter: DeviceFilter,
+    extra: _Extra,
+    found: int,
+) -> str:
+    """The misfit reason when only ``found`` devices can take ``req``: how many fail on each count."""
+    reasons: dict[str, int] = {}
+    for state in states:
+        why = _reason(state, req, device_filter, extra)
+        if why != "fits":
+            reasons[why] = reasons.get(why, 0) + 1
+    return _shortfall_text(req, found, reasons)
+
+
+def _shortfall_text(req: ContainerRequest, found: int, reasons: Mapping[str, int]) -> str:
+    detail = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "no devices"
+    return f"container {req.container!r} needs {req.count}, {found} fit ({detail})"
 
 
 def _rank(candidate: _Candidate) -> tuple[float, int]:
@@ -400,6 +488,76 @@ def _first_fitting(
         if len(chosen) == req.count:
             return chosen
     return None
+
+
+def fit_scorer(
+    requests: Sequence[PodRequest],
+    node_policy: Policy = Policy.BINPACK,
+    device_policy: Policy = Policy.SPREAD,
+) -> Callable[[NodeState], float | Misfit]:
+    """``fit_pod``'s score, or its Misfit, for one pod on node after node: what filter and prioritize need.
+
+    They ask about every node but use no grants (bind fits again), so the common pod —
+    one container of one family, no type/UUID filter, NUMA binding only for one device —
+    is answered from the node's ``FamilySummary``: no device ranking, no Placement, nothing
+    for the collector to track. Other pods, and mixed families, take ``fit_pod``. The
+    answers are ``fit_pod``'s to the bit (tests/test_sharing_core.py checks it).
+    """
+
+    def full(node: NodeState) -> float | Misfit:
+        result = fit_pod(requests, node, node_policy, device_policy)
+        return result.score if isinstance(result, Placement) else result
+
+    if len(requests) != 1 or len(requests[0].containers) != 1:
+        return full
+    pod_request = requests[0]
+    req = pod_request.containers[0]
+    count, fixed, pct, cores = req.count, req.memory_mib, req.memory_percentage or 0, req.cores
+    if not pod_request.device_filter.empty or (count > 1 and pod_request.numa_bind):
+        return full
+    resource = pod_request.resource
+    exclusive_req = cores >= EXCLUSIVE_CORES
+    policy = pod_request.node_policy or node_policy
+
+    def quick(node: NodeState) -> float | Misfit:
+        summary = node.summary(resource)
+        if summary is None:
+            return full(node)
+        wanted = fixed if fixed is not None else summary.memory_mib * pct // 100
+        found = 0
+        for free_memory, free_cores, slots in summary.takers:
+            if wanted <= free_memory and cores <= free_cores and not (exclusive_req and slots):
+                found += 1
+                if found == count:
+                    break
+        else:
+            return Misfit(_quick_shortfall(summary, req, wanted, found))
+        # as _fit_one adds each granted device's share, in the same float operations
+        total = summary.utilization
+        grant = (wanted * summary.inv_memory + cores * summary.inv_cores + summary.inv_split) / 3
+        for _ in range(count):
+            total += grant
+        return node_score(total / summary.healthy if summary.healthy else 0.0, policy)
+
+    return quick
+
+
+def _quick_shortfall(summary: FamilySummary, req: ContainerRequest, wanted: int, found: int) -> str:
+    """``_shortfall``'s reason for a one-container request, counted from a family's summary."""
+    reasons = dict(summary.closed)
+    exclusive_req = req.cores >= EXCLUSIVE_CORES
+    for free_memory, free_cores, slots in summary.takers:
+        # as _reason, in its order, for what depends on the request
+        if exclusive_req and slots:
+            why = "in use (exclusive request)"
+        elif wanted > free_memory:
+            why = "not enough memory"
+        elif req.cores > free_cores:
+            why = "not enough cores"
+        else:
+            continue
+        reasons[why] = reasons.get(why, 0) + 1
+    return _shortfall_text(req, found, reasons)
 
 
 def usage_of(assignments: Iterable[Assignment], inventories: Mapping[str, NodeInventory]) -> NodeState:

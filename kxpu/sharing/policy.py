@@ -23,6 +23,7 @@ from __future__ import annotations
 from kxpu.sharing.model import Policy
 
 MAX_SCORE = 10
+_BINPACK = Policy.BINPACK  # read once: reading an enum member off its class costs ~0.1 µs (Python 3.11)
 
 
 def utilization(
@@ -38,5 +39,9 @@ def utilization(
 
 def node_score(util_after: float, policy: Policy) -> float:
     """0-10: how much this node suits the pod under ``policy`` (see the module docstring)."""
-    util_after = min(max(util_after, 0.0), 1.0)
-    return MAX_SCORE * (util_after if policy is Policy.BINPACK else 1.0 - util_after)
+    # clamped with comparisons, not min(max()): this runs for every node of every filter
+    if util_after < 0.0:
+        util_after = 0.0
+    elif util_after > 1.0:
+        util_after = 1.0
+    return MAX_SCORE * (util_after if policy is _BINPACK else 1.0 - util_after)
