@@ -121,6 +121,21 @@ async def test_pods_not_asking_for_shared_devices_pass_untouched(
     assert {s["Score"] for s in scores} == {0}
 
 
+def test_prioritize_writes_the_json_that_json_dumps_would() -> None:
+    import json
+
+    from kxpu.sharing.extender import _scores_json
+
+    scores = [("node-a", 10), ('o"dd\\name', 0), ("nöde-☃", 7)]
+    response = _scores_json(scores)
+    assert response.content_type == "application/json" and isinstance(response.body, bytes)
+    assert (
+        response.body
+        == json.dumps([{"Host": h, "Score": s} for h, s in scores], separators=(",", ":")).encode()
+    )
+    assert _scores_json([]).body == b"[]"
+
+
 async def test_impossible_requests_fail_every_node(
     setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
 ) -> None:
@@ -270,3 +285,40 @@ async def test_nothing_is_decided_before_the_caches_sync() -> None:
         assert body["Error"] == "" and body["NodeNames"] == ["idle"]
     finally:
         await client.close()
+
+
+async def test_bind_writes_the_assignment_with_the_binding(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    _, scheduler, cluster = setup
+    labelled = pod("l", [{"nvidia.com/gpumem": 1000}])
+    labelled["metadata"]["labels"] = {"kxpu.io/shared": "true"}  # as the webhook admits it
+    cluster.add_pod(labelled)
+    scheduler.filter(labelled, ["idle"])  # bind takes the pod from filter, as kube-scheduler calls them
+    cluster.writes.clear()
+    assert await scheduler.bind("default", "l", "uid-default-l", "idle") == ""
+    assert cluster.writes == ["lock", "bind"]  # one write carries nodeName and the signed assignment
+    obj = cluster.pods[("default", "l")]
+    assert (
+        obj["spec"]["nodeName"] == "idle"
+        and obj["metadata"]["annotations"]["kxpu.io/bind-phase"] == "allocating"
+    )
+    assert signing.ASSIGNMENT_ANNOTATION in obj["metadata"]["annotations"]
+
+    await cluster.release_lock("idle", "nvidia.com/gpu", _ref("l"))
+    cluster.add_pod(pod("u", [{"nvidia.com/gpumem": 1000}]))  # the webhook did not label it
+    cluster.writes.clear()
+    assert await scheduler.bind("default", "u", "uid-default-u", "idle") == ""
+    assert cluster.writes == ["lock", "label", "bind"]  # or the pod watch would never see its grant
+    assert cluster.pods[("default", "u")]["metadata"]["labels"] == {"kxpu.io/shared": "true"}
+
+    await cluster.release_lock("idle", "nvidia.com/gpu", _ref("u"))
+    cluster.add_pod(pod("f", [{"nvidia.com/gpumem": 1000}]))
+    cluster.fail_bind = True
+    assert "binding refused" in await scheduler.bind("default", "f", "uid-default-f", "idle")
+    failed = cluster.pods[("default", "f")]
+    assert "nodeName" not in failed["spec"] and not failed["metadata"]["annotations"]  # nothing to clear
+    assert (
+        cluster.lock_holder("idle", "nvidia.com/gpu") is None
+        and scheduler.state.assignment("uid-default-f") is None
+    )

@@ -22,6 +22,7 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.models.core_v1 import Container, NodeSpec, PodSpec, ResourceRequirements, Taint
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Namespace, Node, Pod, Secret
+from lightkube.types import PatchType
 
 from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
 from kxpu.model import BackendError
@@ -282,6 +283,9 @@ async def test_publish_watch_bind_and_handshake(env: Env) -> None:
         assert await scheduler.bind(ref.namespace, ref.name, ref.uid, env.node) == ""
         bound = await env.client.get(Pod, ref.name, namespace=ref.namespace)
         assert bound.spec is not None and bound.spec.nodeName == env.node
+        # no webhook labelled it, so the scheduler did before binding; the assignment came with the Binding
+        assert bound.metadata is not None and (bound.metadata.labels or {}).get("kxpu.io/shared") == "true"
+        assert (bound.metadata.annotations or {}).get("kxpu.io/bind-phase") == "allocating"
         # the watch brings the assignment back into the cache (counted once)
         await eventually(lambda: state.assignment(ref.uid) is not None)
         node_state = state.node(env.node)
@@ -309,9 +313,13 @@ async def test_publish_watch_bind_and_handshake(env: Env) -> None:
                 forged.uid, forged.namespace, forged.name, env.node, assignment.containers, int(time.time())
             )
         )
-        await api.annotate_pod(
-            forged,
-            {signing.ASSIGNMENT_ANNOTATION: fake, signing.SIGNATURE_ANNOTATION: "v1.00000000.AAAA"},
+        forgery = {signing.ASSIGNMENT_ANNOTATION: fake, signing.SIGNATURE_ANNOTATION: "v1.00000000.AAAA"}
+        await env.client.patch(  # labelled too, so that the scheduler's pod watch sees it
+            Pod,
+            forged.name,
+            {"metadata": {"annotations": forgery, "labels": {"kxpu.io/shared": "true"}}},
+            namespace=forged.namespace,
+            patch_type=PatchType.MERGE,
         )
         await api.acquire_lock(env.node, NPU, forged)
         with pytest.raises(BackendError, match="unknown key"):

@@ -42,7 +42,8 @@ import contextlib
 import gc
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from json.encoder import encode_basestring_ascii
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -77,6 +78,19 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(
         body=json.dumps(data, separators=(",", ":")).encode(), status=status, content_type="application/json"
     )
+
+
+def _scores_json(scores: Sequence[tuple[str, int]]) -> web.Response:
+    """Prioritize's answer, ``[{"Host": ..., "Score": ...}]``, written directly.
+
+    ``json.dumps`` of one small dict per node costs ~0.55 ms per 1,000 nodes, most of a cold
+    prioritize once fits are memoized; quoting each name with the encoder json.dumps itself
+    uses (same escaping, ASCII) and formatting the rest costs a quarter of that.
+    """
+    body = ",".join(
+        [f'{{"Host":{encode_basestring_ascii(host)},"Score":{score:d}}}' for host, score in scores]
+    )
+    return web.Response(body=f"[{body}]".encode(), content_type="application/json")
 
 
 async def _args(request: web.Request) -> dict[str, Any]:
@@ -153,7 +167,7 @@ def make_app(scheduler: Scheduler, ready: Callable[[], bool] = lambda: True) -> 
         names, _ = _nodes(args)
         with metrics.REQUEST_SECONDS.labels("prioritize").time():
             scores = scheduler.prioritize(_field(args, "Pod") or {}, names)
-        return _json([{"Host": host, "Score": score} for host, score in scores])
+        return _scores_json(scores)
 
     async def bind(request: web.Request) -> web.Response:
         if not ready():
@@ -212,11 +226,11 @@ class MeteredAPI:
     async def release_lock(self, node: str, resource: str, pod: PodRef) -> None:
         await self.api.release_lock(node, resource, pod)
 
-    async def annotate_pod(self, pod: PodRef, annotations: Mapping[str, str | None]) -> None:
-        await self.api.annotate_pod(pod, annotations)
+    async def label_pod(self, pod: PodRef) -> None:
+        await self.api.label_pod(pod)
 
-    async def bind(self, pod: PodRef, node: str) -> None:
-        await self.api.bind(pod, node)
+    async def bind(self, pod: PodRef, node: str, annotations: Mapping[str, str] | None = None) -> None:
+        await self.api.bind(pod, node, annotations)
 
     async def event(self, pod: PodRef, reason: str, message: str, warning: bool = False) -> None:
         await self.api.event(pod, reason, message, warning)

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 LOCK_PREFIX = "kxpu.io/lock."
-# On pods the extender bound with an assignment: the scheduler's pod watch selects on it, so only
-# kxpu may set or remove it (the webhook enforces that).
-ASSIGNED_POD_LABEL = "kxpu.io/assigned"
+# On pods that ask for shared devices: set by the webhook at admission (by the extender at bind if
+# the webhook did not). The extender's pod watch selects on it, so once set only kxpu may change it
+# (the webhook enforces that): a pod that dropped it would vanish from the bookkeeping, its grant free.
+SHARED_POD_LABEL = "kxpu.io/shared"
 # Where a pod is between bind and admission ("allocating" → "allocated"), written by kxpu only.
 BIND_PHASE_ANNOTATION = "kxpu.io/bind-phase"
 ALLOCATED_PREFIX = "kxpu.io/allocated."

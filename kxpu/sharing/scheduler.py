@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kxpu.logs import get_logger
-from kxpu.sharing.fit import Misfit, Placement, fit_pod
+from kxpu.sharing.fit import Misfit, fit_pod, fit_scorer
 from kxpu.sharing.lock import BIND_PHASE_ANNOTATION as BIND_PHASE_ANNOTATION  # re-exported
+from kxpu.sharing.lock import SHARED_POD_LABEL
 from kxpu.sharing.model import Assignment, PodRequest, Policy
-from kxpu.sharing.policy import MAX_SCORE
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod
 from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION, encode_assignment, sign
 from kxpu.sharing.state import ClusterState
@@ -57,9 +57,11 @@ class SchedulerAPI(Protocol):
     async def release_lock(self, node: str, resource: str, pod: PodRef) -> None:
         """Drop the lock if ``pod`` still holds it."""
 
-    async def annotate_pod(self, pod: PodRef, annotations: Mapping[str, str | None]) -> None: ...
+    async def label_pod(self, pod: PodRef) -> None:
+        """Add the label the scheduler's pod watch selects on (when the webhook did not)."""
 
-    async def bind(self, pod: PodRef, node: str) -> None: ...
+    async def bind(self, pod: PodRef, node: str, annotations: Mapping[str, str] | None = None) -> None:
+        """Bind, setting ``annotations`` on the pod in the same write (the API server copies them)."""
 
     async def event(self, pod: PodRef, reason: str, message: str, warning: bool = False) -> None: ...
 
@@ -90,9 +92,7 @@ class Scheduler:
         self.node_policy = node_policy
         self.device_policy = device_policy
         self.clock = clock
-        self._memo: OrderedDict[tuple[PodRequest, ...], dict[str, tuple[int, Placement | Misfit]]] = (
-            OrderedDict()
-        )
+        self._memo: OrderedDict[tuple[PodRequest, ...], dict[str, tuple[int, float | Misfit]]] = OrderedDict()
         self._node_mutex: dict[str, asyncio.Lock] = {}
         # uid → the pod as kube-scheduler sent it to filter: bind reads it here instead of from the API
         self._filtered: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
@@ -101,8 +101,8 @@ class Scheduler:
     def requests(self, pod: Mapping[str, Any]) -> list[PodRequest]:
         return parse_pod(pod, self.families)
 
-    def _memo_for(self, requests: Sequence[PodRequest]) -> dict[str, tuple[int, Placement | Misfit]]:
-        """Fits by node for one request *shape* (frozen PodRequests), each valid at a node version.
+    def _memo_for(self, requests: Sequence[PodRequest]) -> dict[str, tuple[int, float | Misfit]]:
+        """Scores or misfits by node for one request *shape* (frozen PodRequests), each at a node version.
 
         A fit is a pure function of the request, the node's state and the policies, so the
         next pod of a Deployment reuses every fit on nodes that did not change since; the
@@ -118,26 +118,27 @@ class Scheduler:
             self._memo.move_to_end(key)
         return memo
 
-    def _fit_nodes(
-        self, requests: Sequence[PodRequest], nodes: Sequence[str]
-    ) -> list[tuple[str, Placement | Misfit]]:
+    def _fit_nodes(self, requests: Sequence[PodRequest], nodes: Sequence[str]) -> list[float | Misfit]:
+        """Each node's score for the pod, or why it does not fit: ``fit_pod``'s answers without its grants.
+
+        Filter and prioritize use no grants (bind fits again, against current usage), so they
+        take ``fit_scorer``, which answers the common pod without choosing devices.
+        """
         memo = self._memo_for(requests)
-        node_of = self.state.node
-        node_policy, device_policy = self.node_policy, self.device_policy
-        out: list[tuple[str, Placement | Misfit]] = []
-        for name in nodes:
-            state = node_of(name)
+        score = fit_scorer(requests, self.node_policy, self.device_policy)
+        out: list[float | Misfit] = []
+        for name, state in zip(nodes, self.state.nodes(nodes), strict=True):
             if state is None:
-                out.append((name, _UNKNOWN))
+                out.append(_UNKNOWN)
                 continue
             hit = memo.get(name)
             if hit is not None and hit[0] == state.version:
-                out.append((name, hit[1]))
+                out.append(hit[1])
                 continue
-            result = fit_pod(requests, state, node_policy, device_policy)
+            result = score(state)
             if state.version >= 0:
                 memo[name] = (state.version, result)
-            out.append((name, result))
+            out.append(result)
         return out
 
     def _remember(self, pod: Mapping[str, Any]) -> None:
@@ -159,8 +160,8 @@ class Scheduler:
         passed: list[str] = []
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
-        for node, result in self._fit_nodes(requests, nodes):
-            if isinstance(result, Placement):
+        for node, result in zip(nodes, self._fit_nodes(requests, nodes), strict=True):
+            if not isinstance(result, Misfit):
                 passed.append(node)
             elif result.reason.startswith(("no ", "node unknown")):
                 unresolvable[node] = result.reason
@@ -177,15 +178,12 @@ class Scheduler:
             return [(n, 0) for n in nodes]
         # A node whose lock a pod holds (bound, not yet allocated) scores 0: kube-scheduler binds this pod
         # elsewhere rather than into a LockBusy and a retry (in a burst, binpack would aim every pod at it).
+        # Scores come from policy.node_score, 0-10 already, and rounding keeps them there: no clamp (min and
+        # max per node were a third of a cold prioritize).
         locked = self.state.locked
         return [
-            (
-                node,
-                max(0, min(MAX_SCORE, round(result.score)))
-                if isinstance(result, Placement) and not locked(node)
-                else 0,
-            )
-            for node, result in self._fit_nodes(requests, nodes)
+            (node, 0 if isinstance(result, Misfit) or locked(node) else round(result))
+            for node, result in zip(nodes, self._fit_nodes(requests, nodes), strict=True)
         ]
 
     def decide(self, pod: Mapping[str, Any], node: str) -> Assignment | Misfit | None:
@@ -243,39 +241,34 @@ class Scheduler:
                 return ""
             if isinstance(decision, Misfit):
                 return f"pod {ref} no longer fits {node}: {decision.reason}"
-            return await self._bind_assigned(ref, node, decision)
+            labelled = ((pod.get("metadata") or {}).get("labels") or {}).get(SHARED_POD_LABEL) == "true"
+            return await self._bind_assigned(ref, node, decision, labelled)
 
-    async def _bind_assigned(self, ref: PodRef, node: str, assignment: Assignment) -> str:
+    async def _bind_assigned(self, ref: PodRef, node: str, assignment: Assignment, labelled: bool) -> str:
+        """Lock, then bind with the signed assignment as the Binding's annotations: one write for both.
+
+        The pod is never seen bound without its assignment, nor with an assignment and unbound, so a
+        failed bind leaves nothing on the pod to clear. ``labelled``: the webhook set the watch label
+        (only kxpu can remove it); if not, it is added first, or the pod watch would never see the grant.
+        """
         assert self.api is not None
         locked: list[str] = []
-        annotated = False
         self.state.assume(assignment)
         try:
             for resource in sorted(assignment.resources):
                 await self.api.acquire_lock(node, resource, ref)
                 locked.append(resource)
                 self.state.mark_locked(node)
-            signature = sign(assignment, self.keys())
-            await self.api.annotate_pod(
-                ref,
-                {
-                    ASSIGNMENT_ANNOTATION: encode_assignment(assignment),
-                    SIGNATURE_ANNOTATION: signature,
-                    BIND_PHASE_ANNOTATION: "allocating",
-                },
-            )
-            annotated = True
-            await self.api.bind(ref, node)
+            if not labelled:
+                await self.api.label_pod(ref)
+            annotations = {
+                ASSIGNMENT_ANNOTATION: encode_assignment(assignment),
+                SIGNATURE_ANNOTATION: sign(assignment, self.keys()),
+                BIND_PHASE_ANNOTATION: "allocating",
+            }
+            await self.api.bind(ref, node, annotations)
         except Exception as exc:
             self.state.forget(ref.uid)
-            if annotated:
-                try:
-                    await self.api.annotate_pod(
-                        ref,
-                        dict.fromkeys((ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION, BIND_PHASE_ANNOTATION)),
-                    )
-                except Exception as clear_exc:
-                    log.warning("could not clear a failed assignment", pod=str(ref), error=str(clear_exc))
             for resource in locked:
                 try:
                     await self.api.release_lock(node, resource, ref)

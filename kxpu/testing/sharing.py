@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kxpu.sharing.lock import HARD_EXPIRED, NodeLock, allocated_key, holder_state, lock_key
+from kxpu.sharing.lock import HARD_EXPIRED, SHARED_POD_LABEL, NodeLock, allocated_key, holder_state, lock_key
 from kxpu.sharing.model import NodeInventory, SharedDevice
 from kxpu.sharing.scheduler import LockBusy, PodRef
 
@@ -96,6 +96,7 @@ class FakeCluster:
     fail_bind: bool = False
     clock: Any = time.time
     keyring: list[bytes] = field(default_factory=lambda: [b"k" * 32])
+    writes: list[str] = field(default_factory=list)  # the bind path's API writes, in order: lock, label, bind
 
     def add_pod(self, obj: Mapping[str, Any]) -> None:
         meta = obj["metadata"]
@@ -128,6 +129,7 @@ class FakeCluster:
         annotations[lock_key(resource)] = NodeLock(
             pod.namespace, pod.name, pod.uid, "test", now, now + self.lock_ttl_s
         ).encode()
+        self.writes.append("lock")
 
     async def release_lock(self, node: str, resource: str, pod: PodRef) -> None:
         annotations = self.node_annotations.setdefault(node, {})
@@ -135,19 +137,17 @@ class FakeCluster:
         if held is not None and NodeLock.decode(held).uid == pod.uid:
             del annotations[lock_key(resource)]
 
-    async def annotate_pod(self, pod: PodRef, annotations: Mapping[str, str | None]) -> None:
-        obj = self.pods[(pod.namespace, pod.name)]
-        current = obj["metadata"].setdefault("annotations", {})
-        for key, value in annotations.items():
-            if value is None:
-                current.pop(key, None)
-            else:
-                current[key] = value
+    async def label_pod(self, pod: PodRef) -> None:
+        self.pods[(pod.namespace, pod.name)]["metadata"].setdefault("labels", {})[SHARED_POD_LABEL] = "true"
+        self.writes.append("label")
 
-    async def bind(self, pod: PodRef, node: str) -> None:
+    async def bind(self, pod: PodRef, node: str, annotations: Mapping[str, str] | None = None) -> None:
+        self.writes.append("bind")
         if self.fail_bind:
             raise RuntimeError("binding refused (test)")
-        self.pods[(pod.namespace, pod.name)]["spec"]["nodeName"] = node
+        obj = self.pods[(pod.namespace, pod.name)]
+        obj["spec"]["nodeName"] = node  # with the annotations, in one write, as the API server does
+        obj["metadata"].setdefault("annotations", {}).update(annotations or {})
 
     async def event(self, pod: PodRef, reason: str, message: str, warning: bool = False) -> None:
         self.events.append((str(pod), reason, message))

@@ -13,7 +13,7 @@ from lightkube.types import PatchType
 
 from kxpu.logs import get_logger
 from kxpu.sharing.kube.client import (
-    ASSIGNED_POD_LABEL,
+    SHARED_POD_LABEL,
     annotations_of,
     is_status,
     now,
@@ -171,16 +171,18 @@ class KubeSchedulerAPI:
     async def _cas(self, node: str, version: str | None, annotations: Mapping[str, str | None]) -> bool:
         return await cas_node_annotations(self.client, node, version, annotations)
 
-    async def annotate_pod(self, pod: PodRef, annotations: Mapping[str, str | None]) -> None:
-        labels: dict[str, str | None] = {ASSIGNED_POD_LABEL: "true" if any(annotations.values()) else None}
-        patch = {"metadata": {"uid": pod.uid, "annotations": dict(annotations), "labels": labels}}
+    async def label_pod(self, pod: PodRef) -> None:
+        patch = {"metadata": {"uid": pod.uid, "labels": {SHARED_POD_LABEL: "true"}}}
         await self.client.patch(Pod, pod.name, patch, namespace=pod.namespace, patch_type=PatchType.MERGE)
 
-    async def bind(self, pod: PodRef, node: str) -> None:
+    async def bind(self, pod: PodRef, node: str, annotations: Mapping[str, str] | None = None) -> None:
         # POST .../bindings answers with a Status, which lightkube's typed Binding cannot decode;
-        # a generic resource takes the same request and any answer. The UID is a precondition.
+        # a generic resource takes the same request and any answer. The UID is a precondition, and
+        # the API server copies the Binding's annotations onto the pod in the same update as nodeName.
         binding = _Binding(
-            metadata=ObjectMeta(name=pod.name, namespace=pod.namespace, uid=pod.uid),
+            metadata=ObjectMeta(
+                name=pod.name, namespace=pod.namespace, uid=pod.uid, annotations=dict(annotations or {})
+            ),
             target={"apiVersion": "v1", "kind": "Node", "name": node},
         )
         await self.client.create(binding)

@@ -1,8 +1,8 @@
 """Informer-style caches for the extender: list then watch nodes and pods, feeding ClusterState.
 
 Only nodes labelled ``kxpu.io/sharing`` (set by node daemons that publish an inventory) and
-pods labelled ``kxpu.io/assigned`` (set by the extender at bind) are watched, so a large
-cluster's other objects cost nothing. A watch that fails (410 Gone, a dropped connection)
+pods labelled ``kxpu.io/shared`` (set by the webhook at admission, or by the extender before
+it binds) are watched, so a large cluster's other objects cost nothing. A watch that fails (410 Gone, a dropped connection)
 is followed by a fresh list that *replaces* the cache, then a new watch. A pod's
 assignment counts once its signature verifies (age is not checked here: a running pod
 keeps its devices) and while the pod is live and not bound elsewhere.
@@ -22,7 +22,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from kxpu.logs import get_logger
 from kxpu.sharing import signing
 from kxpu.sharing.kube.client import (
-    ASSIGNED_POD_LABEL,
+    SHARED_POD_LABEL,
     SHARING_NODE_LABEL,
     annotations_of,
     name_of,
@@ -60,10 +60,9 @@ def live_assignment(pod: Any, keys: Sequence[bytes]) -> Assignment | None:
         )
         return None
     bound = pod.spec.nodeName if pod.spec is not None else None
-    # Only a bound pod's assignment holds devices. An unbound one is either our own bind in flight
-    # (counted by ClusterState.assume) or left by a bind that died (an extender killed between
-    # annotating and binding): counting that would hold devices for nobody, and keep the pod itself
-    # from fitting again on a full node.
+    # Only a bound pod's assignment holds devices. The extender writes the assignment with the
+    # Binding (one update), so an unbound pod carrying one did not get it from a bind: counting it
+    # would hold devices for nobody, and keep the pod itself from fitting again on a full node.
     if not bound or bound != assignment.node:
         return None
     return assignment
@@ -148,7 +147,7 @@ class Informer:
                 self.state.set_node(name, annotations_of(node), version_of(node))
 
     async def _sync_pods(self) -> None:
-        listing = self.client.list(Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"})
+        listing = self.client.list(Pod, namespace="*", labels={SHARED_POD_LABEL: "true"})
         keys = self.keys()
         seen: set[str] = set()
         async for pod in listing:
@@ -160,7 +159,7 @@ class Informer:
         self._mark("pods")
         version = _list_version(listing)
         async for event, pod in self.client.watch(
-            Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"}, resource_version=version
+            Pod, namespace="*", labels={SHARED_POD_LABEL: "true"}, resource_version=version
         ):
             uid = uid_of(pod)
             if event == "DELETED":
