@@ -8,24 +8,35 @@ except the kubelet's root directory, which stays the standard ``/var/lib/kubelet
 ``/var/lib/kubelet/device-plugins`` as on any node. ``down`` deletes the pods, stops only the processes whose
 PIDs ``up`` recorded (checked against their executable), unmounts what is mounted under its directories and
 removes them. Standard library only, so it runs from any Python >= 3.11.
+
+``--control-plane-only`` (``Cluster.default(control_plane_only=True)``) is a second, node-less mode for work
+on API-only Node objects (``bench/bench_sharing_e2e.py``): etcd, kube-apiserver and kube-scheduler, plus
+kube-controller-manager where its binary exists; no containerd, kubelet, CNI, runc, images or host
+directories. It keeps its own state directory (``KXPU_E2E_CP_STATE``, default ``/var/lib/kxpu-e2e-cp``) but
+the same ports, so each mode refuses to start while the other runs. Without a controller-manager, ``up``
+creates the ``default`` ServiceAccount of namespace ``default`` itself (the admission plugin wants it before
+any pod); namespaces made later need theirs made by whoever makes them. ``KXPU_K8S_BIN`` overrides the
+directory of the Kubernetes binaries (in both modes), e.g. for a folder of unpacked binaries.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +52,7 @@ CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 API_PORT = 6443
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
+KUBE_SCHEDULER_PORT = 10259  # the cluster kube-scheduler's (default) secure port
 SERVICE_CIDR = "10.96.0.0/24"
 SERVICE_IP = "10.96.0.1"  # first address of SERVICE_CIDR: the "kubernetes" service
 POD_SUBNET = "10.244.77.0/24"  # private pod range behind the kxpu0 bridge; no masquerade, stays on the host
@@ -76,6 +88,10 @@ LOCK_FILE = Path("/run/kxpu-e2e.lock")
 
 # Start order; down stops them in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "containerd", "kubelet")
+# The control-plane-only mode: these (kube-controller-manager only where its binary exists).
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+OPTIONAL_CONTROL_PLANE = ("kube-controller-manager",)
+K8S_BIN_ENV = "KXPU_K8S_BIN"  # a directory of Kubernetes binaries instead of build.sh's cache
 
 
 class ClusterError(RuntimeError):
@@ -113,18 +129,40 @@ def build_paths() -> tuple[Path, Path]:
     return Path(values["K8S_BIN"]), Path(values["CONTAINERD_BIN"])
 
 
-@dataclass(frozen=True)
+def state_dir(control_plane_only: bool) -> Path:
+    if control_plane_only:
+        return Path(os.environ.get("KXPU_E2E_CP_STATE", "/var/lib/kxpu-e2e-cp"))
+    return Path(os.environ.get("KXPU_E2E_STATE", "/var/lib/kxpu-e2e"))
+
+
+@dataclasses.dataclass(frozen=True)
 class Cluster:
     """Paths of one cluster instance; every method is safe to call whether or not it is up."""
 
     state: Path
     k8s_bin: Path
     containerd_bin: Path
+    control_plane_only: bool = False
 
     @classmethod
-    def default(cls) -> Cluster:
+    def default(cls, control_plane_only: bool = False) -> Cluster:
+        """The normal cluster, or the control-plane-only one (its own state directory, the same ports)."""
         k8s_bin, containerd_bin = build_paths()
-        return cls(Path(os.environ.get("KXPU_E2E_STATE", "/var/lib/kxpu-e2e")), k8s_bin, containerd_bin)
+        if os.environ.get(K8S_BIN_ENV):
+            k8s_bin = Path(os.environ[K8S_BIN_ENV]).resolve()
+        return cls(state_dir(control_plane_only), k8s_bin, containerd_bin, control_plane_only)
+
+    def sibling(self) -> Cluster:
+        """The other mode's cluster on this host (same binaries): it uses the same ports as this one."""
+        other = not self.control_plane_only
+        return dataclasses.replace(self, state=state_dir(other), control_plane_only=other)
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """What this mode runs, in start order."""
+        if not self.control_plane_only:
+            return COMPONENTS
+        return tuple(c for c in CONTROL_PLANE if c not in OPTIONAL_CONTROL_PLANE or self._binary(c).is_file())
 
     # -- paths ------------------------------------------------------------------------------------------------
     @property
@@ -197,7 +235,7 @@ class Cluster:
         return pid if exe.removesuffix(" (deleted)") == str(self._binary(component)) else None
 
     def running(self) -> dict[str, int | None]:
-        return {c: self.pid(c) for c in COMPONENTS}
+        return {c: self.pid(c) for c in self.components}
 
     def tail(self, component: str, lines: int = 60) -> str:
         """Last lines of a component log (for failure reports)."""
@@ -206,6 +244,9 @@ class Cluster:
     # -- up ---------------------------------------------------------------------------------------------------
     def up(self) -> None:
         """Bring the cluster up and wait until the node is Ready and the default service account exists."""
+        if self.control_plane_only:
+            self._up_control_plane()
+            return
         if os.geteuid() != 0:
             raise ClusterError("the e2e cluster needs root (kubelet, containerd, mounts, cgroups, network)")
         missing = [c for c in COMPONENTS if not self._binary(c).is_file()]
@@ -222,6 +263,7 @@ class Cluster:
                 return
             log(f"stale state in {self.state}; tearing it down first")
             self.down()
+        self._refuse_if_sibling_up()
         t0 = time.monotonic()
         for sub in ("pki", "logs", "pids", "etcd", "containerd", "cni/net.d", "cni/ipam", "images", "runc"):
             (self.state / sub).mkdir(parents=True, exist_ok=True)
@@ -251,6 +293,75 @@ class Cluster:
             str(self.log_file("kube-controller-manager")),
         )
         log(f"up in {time.monotonic() - t0:.1f}s; export KUBECONFIG={self.kubeconfig}")
+
+    def _up_control_plane(self) -> None:
+        """etcd, kube-apiserver, kube-scheduler (and kube-controller-manager if built); wait for /readyz and
+        the default ServiceAccount of namespace ``default`` (made here when no controller-manager runs)."""
+        if os.geteuid() != 0:
+            raise ClusterError(
+                "the e2e cluster needs root (its state directory, lock and the component ports)"
+            )
+        missing = [c for c in self.components if not self._binary(c).is_file()]
+        if missing:
+            raise ClusterError(
+                f"missing binaries {missing} in {self.k8s_bin}; run hack/cluster/build.sh k8s or set "
+                f"{K8S_BIN_ENV} to a directory holding them"
+            )
+        if not shutil.which("openssl"):
+            raise ClusterError("openssl not found (it makes the certificates)")
+        if self.state.exists():
+            if all(self.running().values()) and self._control_plane_ready():
+                log(f"already up, control plane only (state {self.state})")
+                return
+            log(f"stale state in {self.state}; tearing it down first")
+            self.down()
+        self._refuse_if_sibling_up()
+        busy = [port for port in (API_PORT, ETCD_CLIENT_PORT, ETCD_PEER_PORT) if _listening(port)]
+        if busy:
+            raise ClusterError(f"ports {busy} on 127.0.0.1 are taken by something else; free them first")
+        t0 = time.monotonic()
+        for sub in ("pki", "logs", "pids", "etcd"):
+            (self.state / sub).mkdir(parents=True, exist_ok=True)
+        self._certificates()
+        self._kubeconfigs()
+        self._start("etcd", self._etcd_args())
+        wait_for("etcd health", self._etcd_healthy, 60, str(self.log_file("etcd")))
+        self._start("kube-apiserver", self._apiserver_args())
+        wait_for("kube-apiserver /readyz", self._apiserver_ready, 120, str(self.log_file("kube-apiserver")))
+        if "kube-controller-manager" in self.components:
+            self._start("kube-controller-manager", self._controller_manager_args())
+        self._start("kube-scheduler", self._scheduler_args())
+        if "kube-controller-manager" in self.components:
+            wait_for(
+                "default service account in namespace default",
+                lambda: self._api_exists("/api/v1/namespaces/default/serviceaccounts/default"),
+                60,
+                str(self.log_file("kube-controller-manager")),
+            )
+        else:  # nothing else makes it; the ServiceAccount admission plugin refuses pods without it
+            wait_for(
+                "default service account in namespace default",
+                self._create_default_service_account,
+                30,
+                str(self.log_file("kube-apiserver")),
+            )
+        wait_for("kube-scheduler /healthz", self._scheduler_healthy, 60, str(self.log_file("kube-scheduler")))
+        log(
+            f"up in {time.monotonic() - t0:.1f}s, control plane only ({', '.join(self.components)}); "
+            f"export KUBECONFIG={self.kubeconfig}"
+        )
+
+    def _refuse_if_sibling_up(self) -> None:
+        """The two modes share ports: start neither while the other runs."""
+        other = self.sibling()
+        up = [c for c, pid in other.running().items() if pid]
+        if up:
+            mode = "normal" if self.control_plane_only else "control-plane-only"
+            flag = "" if self.control_plane_only else " --control-plane-only"
+            raise ClusterError(
+                f"the {mode} e2e cluster is running ({', '.join(up)}; state {other.state}) on the same ports; "
+                f"stop it first with: python3 -m e2e.cluster down{flag}"
+            )
 
     def _make_host_dirs(self) -> None:
         """Create what lives outside the state dir; remember which were ours so that down removes only those."""
@@ -344,53 +455,62 @@ class Cluster:
             ),
         }
         for name, (cn, org, sans) in identities.items():
-            conf = pki / f"{name}.cnf"
-            _openssl_conf(conf, cn, org, sans=sans)
-            _run(
-                [
-                    "openssl",
-                    "req",
-                    "-new",
-                    "-nodes",
-                    "-config",
-                    str(conf),
-                    "-newkey",
-                    "ec",
-                    "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1",
-                    "-keyout",
-                    str(pki / f"{name}.key"),
-                    "-out",
-                    str(pki / f"{name}.csr"),
-                ]
-            )
-            _run(
-                [
-                    "openssl",
-                    "x509",
-                    "-req",
-                    "-in",
-                    str(pki / f"{name}.csr"),
-                    "-CA",
-                    str(pki / "ca.crt"),
-                    "-CAkey",
-                    str(pki / "ca.key"),
-                    "-set_serial",
-                    str(int.from_bytes(os.urandom(8), "big")),
-                    "-days",
-                    "365",
-                    "-extfile",
-                    str(conf),
-                    "-extensions",
-                    "ext",
-                    "-out",
-                    str(pki / f"{name}.crt"),
-                ]
-            )
+            self.issue_certificate(pki, name, cn, org, sans)
         _run(["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(pki / "sa.key")])
         _run(["openssl", "ec", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub")])
-        for key in pki.glob("*.key"):
-            key.chmod(0o600)
+        (pki / "ca.key").chmod(0o600)
+        (pki / "sa.key").chmod(0o600)
+
+    def issue_certificate(
+        self, into: Path, name: str, cn: str, org: str | None = None, sans: list[str] | None = None
+    ) -> tuple[Path, Path]:
+        """An EC key and a certificate signed by the cluster's CA, as ``into/name.{crt,key}`` (serving if ``sans``)."""
+        conf = into / f"{name}.cnf"
+        _openssl_conf(conf, cn, org, sans=sans)
+        key, csr, crt = (into / f"{name}.{ext}" for ext in ("key", "csr", "crt"))
+        _run(
+            [
+                "openssl",
+                "req",
+                "-new",
+                "-nodes",
+                "-config",
+                str(conf),
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-keyout",
+                str(key),
+                "-out",
+                str(csr),
+            ]
+        )
+        _run(
+            [
+                "openssl",
+                "x509",
+                "-req",
+                "-in",
+                str(csr),
+                "-CA",
+                str(self.pki / "ca.crt"),
+                "-CAkey",
+                str(self.pki / "ca.key"),
+                "-set_serial",
+                str(int.from_bytes(os.urandom(8), "big")),
+                "-days",
+                "365",
+                "-extfile",
+                str(conf),
+                "-extensions",
+                "ext",
+                "-out",
+                str(crt),
+            ]
+        )
+        key.chmod(0o600)
+        return crt, key
 
     def _kubeconfigs(self) -> None:
         for name, cert in [
@@ -652,6 +772,50 @@ state = "{s}/containerd/state"
         with urllib.request.urlopen(url, timeout=2, context=self._ssl_context()) as resp:
             return bool(resp.status == 200)
 
+    def _api(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One request to the API server as the admin; raises urllib.error.HTTPError on an error status."""
+        request = urllib.request.Request(
+            f"https://127.0.0.1:{API_PORT}{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Accept": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10, context=self._ssl_context()) as resp:
+            out: dict[str, Any] = json.load(resp)
+            return out
+
+    def _api_exists(self, path: str) -> bool:
+        try:
+            self._api("GET", path)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return False
+            raise
+        return True
+
+    def _create_default_service_account(self) -> bool:
+        body = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}
+        try:
+            self._api("POST", "/api/v1/namespaces/default/serviceaccounts", body)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:  # 409: it exists already
+                raise
+        return True
+
+    def _scheduler_healthy(self) -> bool:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # its self-signed serving certificate
+        with urllib.request.urlopen(
+            f"https://127.0.0.1:{KUBE_SCHEDULER_PORT}/healthz", timeout=2, context=ctx
+        ) as r:
+            return bool(r.status == 200)
+
+    def _control_plane_ready(self) -> bool:
+        try:
+            return self._apiserver_ready()
+        except OSError:  # refused, TLS, HTTP errors; certificates not made yet
+            return False
+
     def _containerd_ready(self) -> bool:
         return self.containerd_sock.is_socket() and bool(self.ctr("version", check=False))
 
@@ -684,6 +848,9 @@ state = "{s}/containerd/state"
         """Delete pods, stop what up started (only those PIDs), unmount and remove the state and kubelet root."""
         if not self.state.exists():
             log("nothing to tear down")
+            return
+        if self.control_plane_only:
+            self._down_control_plane()
             return
         t0 = time.monotonic()
         if self.pid("kube-apiserver") and self.pid("kubelet") and self.kubeconfig.exists():
@@ -740,6 +907,16 @@ state = "{s}/containerd/state"
                 f"could not remove {self.state}; still mounted: {list(_mounts_under(self.state))}"
             )
         log(f"down in {time.monotonic() - t0:.1f}s")
+
+    def _down_control_plane(self) -> None:
+        """Stop what up started (only those PIDs) and remove the state directory; nothing else was made."""
+        t0 = time.monotonic()
+        for component in reversed(CONTROL_PLANE):
+            self._stop(component, timeout=30)
+        shutil.rmtree(self.state, ignore_errors=True)
+        if self.state.exists():
+            raise ClusterError(f"could not remove {self.state}")
+        log(f"down in {time.monotonic() - t0:.1f}s (control plane only)")
 
     def _stop(self, component: str, timeout: float) -> None:
         pid = self.pid(component)
@@ -800,6 +977,8 @@ state = "{s}/containerd/state"
     # -- status -----------------------------------------------------------------------------------------------
     def status(self) -> int:
         """Print component PIDs and node readiness; 0 when everything runs and the node is Ready."""
+        if self.control_plane_only:
+            return self._status_control_plane()
         running = self.running()
         for component, pid in running.items():
             print(f"{component:24} {'pid ' + str(pid) if pid else 'not running'}")
@@ -808,6 +987,15 @@ state = "{s}/containerd/state"
             ready = all(running.values()) and self._node_ready()
         print(f"node {NODE_NAME}: {'Ready' if ready else 'not ready'}")
         print(f"state {self.state}; logs {self.logs}; device plugins {DEVICE_PLUGIN_DIR}")
+        return 0 if ready else 1
+
+    def _status_control_plane(self) -> int:
+        running = self.running()
+        for component, pid in running.items():
+            print(f"{component:24} {'pid ' + str(pid) if pid else 'not running'}")
+        ready = all(running.values()) and self._control_plane_ready()
+        print(f"control plane only (no node): {'ready' if ready else 'not ready'}")
+        print(f"state {self.state}; logs {self.logs}")
         return 0 if ready else 1
 
     def env(self) -> str:
@@ -884,6 +1072,13 @@ def _unmount_under(root: Path) -> None:
                 subprocess.run(["umount", "-l", point], capture_output=True, check=False)
 
 
+def _listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def _has_cap_sys_resource() -> bool:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("CapEff:"):
@@ -947,8 +1142,14 @@ def exclusive(wait: float, purpose: str) -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["up", "down", "status", "env"])
+    parser.add_argument(
+        "--control-plane-only",
+        action="store_true",
+        help="etcd, kube-apiserver, kube-scheduler (+ kube-controller-manager if built): no node, for API-only "
+        "Node objects; its own state directory (KXPU_E2E_CP_STATE)",
+    )
     args = parser.parse_args(argv)
-    cluster = Cluster.default()
+    cluster = Cluster.default(control_plane_only=args.control_plane_only)
     try:
         if args.command in ("up", "down"):
             with exclusive(wait=0, purpose=f"e2e.cluster {args.command}"):
@@ -963,7 +1164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if args.command == "up":
-            print(f"logs: {cluster.logs}; clean up with: python3 -m e2e.cluster down", file=sys.stderr)
+            flag = " --control-plane-only" if args.control_plane_only else ""
+            print(f"logs: {cluster.logs}; clean up with: python3 -m e2e.cluster down{flag}", file=sys.stderr)
         return 1
     return 0
 

@@ -6,6 +6,11 @@ namespace ``kxpu-sharing``; the node daemon shares two simulated NPUs (memory an
 slots with a key from a Secret. The test user is an impersonated tenant, so the webhook treats it as any
 untrusted user would be treated; the extender and the daemon run as the admin, which the webhook trusts.
 The namespace ``kxpu-sharing-raw`` is left out of the webhook to show what the node refuses on its own.
+
+``start(node=False)`` (the benchmark's API-only nodes) runs only the extender and the second kube-scheduler and
+talks to the API server through lightkube, not kubectl, so it also serves the control-plane-only cluster of a
+machine without kubectl or kube-controller-manager. kxpu runs as ``.venv/bin/kxpu``, or where there is no
+project venv as ``<this python> -m kxpu`` (with this process's ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import secrets
 import signal
 import ssl
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterable, Mapping
@@ -24,7 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import trustme
+from lightkube import ApiError, Client, KubeConfig, codecs
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.admissionregistration_v1 import (
+    MutatingWebhookConfiguration,
+    ValidatingWebhookConfiguration,
+)
+from lightkube.resources.core_v1 import Namespace, Pod, Secret, ServiceAccount
 
 from e2e import kube
 from e2e.cluster import NODE_NAME, REPO, TEST_IMAGE, Cluster, tail_file
@@ -39,6 +52,7 @@ CORES = RES + "cores"
 NS = "kxpu-sharing"
 RAW_NS = "kxpu-sharing-raw"
 SCHEDULER = "kxpu-e2e-sharing"
+WEBHOOK_CONFIG = "kxpu-e2e-sharing"  # both webhook configurations' name
 TRUSTED_USERS = ["kubernetes-admin"]  # the extender and the node daemon use the admin kubeconfig here
 TENANT = "kxpu-e2e-tenant"  # impersonated by the tests: not trusted by the webhook
 DEVICES = 2
@@ -96,12 +110,47 @@ def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
         return bool(resp.status == 200)
 
 
-def _accepts(option: str, command: str) -> bool:
+def kxpu_command() -> list[str]:
+    """The project venv's ``kxpu``; where there is none, this interpreter running the package."""
+    venv = REPO / ".venv/bin/kxpu"
+    return [str(venv)] if venv.exists() else [sys.executable, "-m", "kxpu"]
+
+
+def _accepts(option: str, command: str, env: Mapping[str, str]) -> bool:
     """Whether this kxpu's subcommand has ``option`` (the metrics listeners are newer than the chain)."""
     out = subprocess.run(
-        [str(REPO / ".venv/bin/kxpu"), command, "--help"], capture_output=True, text=True, timeout=60
+        [*kxpu_command(), command, "--help"], capture_output=True, text=True, timeout=60, env=dict(env)
     )
     return option in out.stdout
+
+
+def _absent(client: Client, kind: type[Namespace], name: str) -> bool:
+    try:
+        client.get(kind, name)
+    except ApiError as exc:
+        if exc.status.code == 404:
+            return True
+        raise
+    return False
+
+
+def _create(client: Client, obj: Namespace | ServiceAccount | Secret) -> None:
+    """Create, or leave the one that exists."""
+    try:
+        client.create(obj)
+    except ApiError as exc:
+        if exc.status.code != 409:
+            raise
+
+
+def _delete_namespace(client: Client, name: str, timeout: float = 90) -> None:
+    """Delete a namespace and wait until it is gone (the controller-manager's namespace controller empties it)."""
+    try:
+        client.delete(Namespace, name)
+    except ApiError as exc:
+        if exc.status.code != 404:
+            raise
+    kube.wait_until(f"namespace {name} deleted", lambda: _absent(client, Namespace, name), timeout)
 
 
 @dataclass(frozen=True)
@@ -139,32 +188,38 @@ class Sharing:
             "PATH": "/usr/bin:/bin",
             "HOME": "/root",
         }
-        kx = str(REPO / ".venv/bin/kxpu")
-        ca = trustme.CA()
-        cert = ca.issue_cert("127.0.0.1")
-        cert.private_key_pem.write_to_path(str(work / "tls.key"))
-        cert.cert_chain_pems[0].write_to_path(str(work / "tls.crt"))
-        self.ca_pem = ca.cert_pem.bytes()
+        if os.environ.get("PYTHONPATH"):  # kxpu from a PYTHONPATH rather than the project venv
+            self.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        self.api_only = False  # start(node=False) sets it
+        self.ca_pem = b""  # the webhook's CA, made by start() when it runs the webhook
+        kx = kxpu_command()
         self._write_configs()
         extender_metrics: list[str] = []
         webhook_metrics: list[str] = []
-        if _accepts("--metrics-address", "scheduler"):
+        if _accepts("--metrics-address", "scheduler", self.env):
             extender_metrics = ["--metrics-address", f"127.0.0.1:{EXTENDER_METRICS_PORT}"]
-        if _accepts("--metrics-address", "webhook"):
+        if _accepts("--metrics-address", "webhook", self.env):
             webhook_metrics = ["--metrics-address", f"127.0.0.1:{WEBHOOK_METRICS_PORT}"]
         cp = str(work / "control-plane.yaml")
         self.daemon = self._proc(
             "node-daemon",
-            [kx, "plugin", "--config", str(work / "node.yaml"), "--http-address", f"127.0.0.1:{DAEMON_PORT}"],
+            [
+                *kx,
+                "plugin",
+                "--config",
+                str(work / "node.yaml"),
+                "--http-address",
+                f"127.0.0.1:{DAEMON_PORT}",
+            ],
         )
         self.extender = self._proc(
             "extender",
-            [kx, "scheduler", "--config", cp, "--address", f"127.0.0.1:{EXTENDER_PORT}", *extender_metrics],
+            [*kx, "scheduler", "--config", cp, "--address", f"127.0.0.1:{EXTENDER_PORT}", *extender_metrics],
         )
         self.webhook = self._proc(
             "webhook",
             [
-                kx,
+                *kx,
                 "webhook",
                 "--config",
                 cp,
@@ -188,11 +243,17 @@ class Sharing:
                 "--v",
                 "2",
             ],
+            kxpu=False,
         )
 
-    def _proc(self, name: str, argv: list[str]) -> Proc:
-        level = ["--log-level", self.log_level] if argv[0].endswith("/kxpu") else []
+    def _proc(self, name: str, argv: list[str], kxpu: bool = True) -> Proc:
+        level = ["--log-level", self.log_level] if kxpu else []
         return Proc(name, argv + level, self.work / f"{name}.log", self.env)
+
+    def _write_tls(self) -> None:
+        """The webhook's serving certificate (``work/tls.{crt,key}``), signed by the cluster's CA with openssl."""
+        self.cluster.issue_certificate(self.work, "tls", "kxpu-e2e-webhook", sans=["IP:127.0.0.1"])
+        self.ca_pem = (self.cluster.pki / "ca.crt").read_bytes()
 
     @property
     def procs(self) -> list[Proc]:
@@ -297,7 +358,7 @@ class Sharing:
                 {
                     "apiVersion": "admissionregistration.k8s.io/v1",
                     "kind": f"{kind}WebhookConfiguration",
-                    "metadata": {"name": "kxpu-e2e-sharing"},
+                    "metadata": {"name": WEBHOOK_CONFIG},
                     "webhooks": [hook],
                 }
             )
@@ -305,17 +366,32 @@ class Sharing:
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self, node: bool = True) -> None:
-        """Everything, or (``node=False``, for API-only nodes) the key, extender and kube-scheduler."""
+        """Everything, or (``node=False``, for API-only nodes) all but the node daemon."""
         k = self.cluster.kubectl
-        for ns in (NS, RAW_NS):  # an earlier run's namespace may still be terminating
-            k("delete", "namespace", ns, "--ignore-not-found", "--wait=true", "--timeout=90s", timeout=120)
-            k("create", "namespace", ns)
-        k("-n", NS, "create", "secret", "generic", "keys", f"--from-literal=keys={self.key.decode()}")
-        for proc in self.procs if node else [self.extender, self.scheduler]:
+        self.api_only = not node
+        self._write_tls()
+        if node:
+            for ns in (NS, RAW_NS):  # an earlier run's namespace may still be terminating
+                k(
+                    "delete",
+                    "namespace",
+                    ns,
+                    "--ignore-not-found",
+                    "--wait=true",
+                    "--timeout=90s",
+                    timeout=120,
+                )
+                k("create", "namespace", ns)
+            k("-n", NS, "create", "secret", "generic", "keys", f"--from-literal=keys={self.key.decode()}")
+        else:
+            self._prepare_api_only()
+        for proc in self.procs if node else [self.extender, self.webhook, self.scheduler]:
             proc.start()
         if node:
             k("apply", "-f", "-", input=self._webhooks())
             self.wait_node_ready()
+        else:
+            self._register_webhooks_api_only()
         kube.wait_until("extender /readyz", lambda: _http_ok(f"http://127.0.0.1:{EXTENDER_PORT}/readyz"), 60)
         insecure = ssl.create_default_context()
         insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
@@ -324,9 +400,8 @@ class Sharing:
             lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz", insecure),
             60,
         )
-        if node:
-            probe = self.pod("webhook-probe", {MEM: 100})
-            kube.wait_until("the webhook admitting a dry-run pod", lambda: self._dry_run(probe), 60)
+        probe = self.pod("webhook-probe", {MEM: 100})
+        kube.wait_until("the webhook admitting a dry-run pod", lambda: self._dry_run(probe), 60)
 
     def wait_node_ready(self) -> None:
         """The daemon registered its slots and published the inventory the extender reads."""
@@ -338,15 +413,79 @@ class Sharing:
         )
 
     def _dry_run(self, manifest: dict[str, Any]) -> bool:
+        if self.api_only:  # maybe no kubectl: through the API, as the admin
+            with self._client() as client:
+                client.create(codecs.from_dict(manifest), dry_run=True)
+            return True
         self.tenant("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest))
         return True
 
+    def _register_webhooks_api_only(self) -> None:
+        """The same Mutating/ValidatingWebhookConfigurations as ``kubectl apply`` makes, through the API."""
+        with self._client() as client:
+            for item in json.loads(self._webhooks())["items"]:
+                resource = codecs.from_dict(item)
+                with contextlib.suppress(ApiError):
+                    client.delete(type(resource), WEBHOOK_CONFIG)
+                client.create(resource)
+
+    def _client(self) -> Client:
+        return Client(KubeConfig.from_file(self.cluster.kubeconfig), field_manager="kxpu-e2e")
+
+    def _namespace_controller(self) -> bool:
+        """Whether a controller-manager runs, whose namespace controller finishes namespace deletions."""
+        return self.cluster.pid("kube-controller-manager") is not None
+
+    def _prepare_api_only(self) -> None:
+        """Through the API: both namespaces without pods, each with its ``default`` ServiceAccount (which the
+        admission plugin wants before any pod, and no controller-manager may be there to make), and the key.
+        Where a controller-manager runs, the namespaces are made anew (as the full chain does); otherwise nothing
+        would finish deleting them, so they are emptied instead."""
+        controller = self._namespace_controller()
+        with self._client() as client:
+            for ns in (NS, RAW_NS):
+                if controller:
+                    _delete_namespace(client, ns)
+                _create(client, Namespace(metadata=ObjectMeta(name=ns)))
+                if not controller:
+                    client.deletecollection(Pod, namespace=ns, grace_period=0)  # no kubelet to wait for
+                    client.deletecollection(Secret, namespace=ns)
+                _create(client, ServiceAccount(metadata=ObjectMeta(name="default", namespace=ns)))
+            keys = Secret(
+                metadata=ObjectMeta(name="keys", namespace=NS), stringData={"keys": self.key.decode()}
+            )
+            client.create(keys)
+
+    def _close_api_only(self) -> None:
+        """Pods removed at once (no kubelet serves their nodes); namespaces deleted where a controller-manager
+        can finish that, else only the key; then the processes stopped."""
+        try:
+            controller = self._namespace_controller()
+            with self._client() as client:
+                for hooks in (MutatingWebhookConfiguration, ValidatingWebhookConfiguration):
+                    with contextlib.suppress(ApiError):
+                        client.delete(hooks, WEBHOOK_CONFIG)
+                for ns in (NS, RAW_NS):
+                    client.deletecollection(Pod, namespace=ns, grace_period=0)
+                    if controller:
+                        _delete_namespace(client, ns)
+                    else:
+                        client.deletecollection(Secret, namespace=ns)
+        except Exception as exc:  # clean-up: report, never hide what went wrong before it
+            print(f"sharing: clean-up through the API failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            for proc in reversed(self.procs):
+                proc.stop()
+
     def close(self) -> None:
+        if self.api_only:
+            self._close_api_only()
+            return
         k = self.cluster.kubectl
         k(
             "delete",
             "mutatingwebhookconfiguration,validatingwebhookconfiguration",
-            "kxpu-e2e-sharing",
+            WEBHOOK_CONFIG,
             "--ignore-not-found",
             check=False,
         )
