@@ -292,7 +292,7 @@ async def test_bind_writes_the_assignment_with_the_binding(
 ) -> None:
     _, scheduler, cluster = setup
     labelled = pod("l", [{"nvidia.com/gpumem": 1000}])
-    labelled["metadata"]["labels"] = {"kxpu.io/shared": "true"}  # as the webhook admits it
+    labelled["metadata"]["labels"] = {"kxpu.io/assigned": "true"}  # as the webhook admits it
     cluster.add_pod(labelled)
     scheduler.filter(labelled, ["idle"])  # bind takes the pod from filter, as kube-scheduler calls them
     cluster.writes.clear()
@@ -309,8 +309,8 @@ async def test_bind_writes_the_assignment_with_the_binding(
     cluster.add_pod(pod("u", [{"nvidia.com/gpumem": 1000}]))  # the webhook did not label it
     cluster.writes.clear()
     assert await scheduler.bind("default", "u", "uid-default-u", "idle") == ""
-    assert cluster.writes == ["lock", "label", "bind"]  # or the pod watch would never see its grant
-    assert cluster.pods[("default", "u")]["metadata"]["labels"] == {"kxpu.io/shared": "true"}
+    assert cluster.writes == ["label", "lock", "bind"]  # or the pod watch would never see its grant
+    assert cluster.pods[("default", "u")]["metadata"]["labels"] == {"kxpu.io/assigned": "true"}
 
     await cluster.release_lock("idle", "nvidia.com/gpu", _ref("u"))
     cluster.add_pod(pod("f", [{"nvidia.com/gpumem": 1000}]))
@@ -321,4 +321,48 @@ async def test_bind_writes_the_assignment_with_the_binding(
     assert (
         cluster.lock_holder("idle", "nvidia.com/gpu") is None
         and scheduler.state.assignment("uid-default-f") is None
+    )
+
+
+async def test_a_retried_bind_after_success_keeps_the_grant_and_the_lock(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    """kube-scheduler retries a bind it timed out on, though the first one went through."""
+    _, scheduler, cluster = setup
+    cluster.add_pod(pod("r", [{"nvidia.com/gpumem": 1000}]))
+    assert await scheduler.bind("default", "r", "uid-default-r", "idle") == ""
+    granted = scheduler.state.assignment("uid-default-r")
+    # the retry after the first bind returned: the pod is read, seen bound here by us, nothing written
+    cluster.writes.clear()
+    assert await scheduler.bind("default", "r", "uid-default-r", "idle") == ""
+    assert cluster.writes == []
+    assert scheduler.state.assignment("uid-default-r") == granted
+    holder = cluster.lock_holder("idle", "nvidia.com/gpu")
+    assert holder is not None and holder.uid == "uid-default-r"  # still its lock: its Allocate will come
+    # bound elsewhere: a clear error
+    assert "already bound to idle" in await scheduler.bind("default", "r", "uid-default-r", "busy")
+
+    # the retry racing the bind it retries: it reads the pod unbound, then the Binding answers 409
+    cluster.add_pod(pod("s", [{"nvidia.com/gpumem": 1000}]))
+    await cluster.release_lock("idle", "nvidia.com/gpu", _ref("r"))
+    read = cluster.get_pod
+
+    async def read_then_yield(namespace: str, name: str) -> Any:
+        obj = await read(namespace, name)
+        await asyncio.sleep(0)  # both binds read the pod before either binds it
+        return obj
+
+    cluster.get_pod = read_then_yield  # type: ignore[method-assign]
+    cluster.writes.clear()
+    first, second = await asyncio.gather(
+        scheduler.bind("default", "s", "uid-default-s", "idle"),
+        scheduler.bind("default", "s", "uid-default-s", "idle"),
+    )
+    assert first == second == ""
+    assert cluster.writes.count("bind") == 2  # the second Binding was refused, and that was fine
+    holder = cluster.lock_holder("idle", "nvidia.com/gpu")
+    assert holder is not None and holder.uid == "uid-default-s"
+    obj = cluster.pods[("default", "s")]
+    assert scheduler.state.assignment("uid-default-s") == signing.decode_assignment(
+        obj["metadata"]["annotations"][signing.ASSIGNMENT_ANNOTATION]
     )

@@ -284,7 +284,7 @@ async def test_publish_watch_bind_and_handshake(env: Env) -> None:
         bound = await env.client.get(Pod, ref.name, namespace=ref.namespace)
         assert bound.spec is not None and bound.spec.nodeName == env.node
         # no webhook labelled it, so the scheduler did before binding; the assignment came with the Binding
-        assert bound.metadata is not None and (bound.metadata.labels or {}).get("kxpu.io/shared") == "true"
+        assert bound.metadata is not None and (bound.metadata.labels or {}).get("kxpu.io/assigned") == "true"
         assert (bound.metadata.annotations or {}).get("kxpu.io/bind-phase") == "allocating"
         # the watch brings the assignment back into the cache (counted once)
         await eventually(lambda: state.assignment(ref.uid) is not None)
@@ -317,7 +317,7 @@ async def test_publish_watch_bind_and_handshake(env: Env) -> None:
         await env.client.patch(  # labelled too, so that the scheduler's pod watch sees it
             Pod,
             forged.name,
-            {"metadata": {"annotations": forgery, "labels": {"kxpu.io/shared": "true"}}},
+            {"metadata": {"annotations": forgery, "labels": {"kxpu.io/assigned": "true"}}},
             namespace=forged.namespace,
             patch_type=PatchType.MERGE,
         )

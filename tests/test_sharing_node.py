@@ -254,7 +254,7 @@ async def test_the_decision_at_bind_counts_earlier_binds() -> None:
     assert rig.cluster.lock_holder(NODE, NPU) is None  # no lock left behind by a refused bind
 
 
-async def test_a_failed_bind_releases_the_lock_and_clears_the_assignment() -> None:
+async def test_a_failed_bind_releases_the_lock_and_leaves_no_assignment() -> None:
     rig = Rig()
     rig.cluster.fail_bind = True
     p = pod("x", [{"example.com/npumem": 100}])

@@ -95,7 +95,7 @@ async def test_mutate_sets_the_scheduler_and_the_missing_count(server: Server) -
     patched = apply_patch(p, json.loads(base64.b64decode(response["patch"])))
     assert patched["spec"]["schedulerName"] == "kxpu-scheduler"
     assert patched["metadata"]["labels"] == {
-        "kxpu.io/shared": "true"
+        "kxpu.io/assigned": "true"
     }  # what the scheduler's pod watch selects
     limits = [c.get("resources", {}).get("limits", {}) for c in patched["spec"]["containers"]]
     assert limits[0]["nvidia.com/gpu"] == "1"
@@ -163,12 +163,12 @@ async def test_shared_pods_must_use_the_kxpu_scheduler(server: Server) -> None:
     assert (await server.review("/validate", request(plain)))["allowed"]
 
 
-async def test_only_kxpu_changes_the_shared_label_once_the_pod_exists(server: Server) -> None:
+async def test_only_kxpu_changes_the_assigned_label_once_the_pod_exists(server: Server) -> None:
     held = pod("h", [{"nvidia.com/gpu": 1}], schedulerName="kxpu-scheduler")
-    held["metadata"]["labels"] = {"kxpu.io/shared": "true"}
+    held["metadata"]["labels"] = {"kxpu.io/assigned": "true"}
     freed = pod("h", [{"nvidia.com/gpu": 1}], schedulerName="kxpu-scheduler")
     denied = await server.review("/validate", request(freed, "UPDATE", held))
-    assert not denied["allowed"] and "kxpu.io/shared" in denied["status"]["message"]
+    assert not denied["allowed"] and "kxpu.io/assigned" in denied["status"]["message"]
     assert (await server.review("/validate", request(freed, "UPDATE", held, user=TRUSTED[0])))["allowed"]
     relabelled = await server.review("/validate", request(held, "UPDATE", freed))
     assert not relabelled["allowed"]
@@ -178,7 +178,7 @@ async def test_only_kxpu_changes_the_shared_label_once_the_pod_exists(server: Se
     mine = pod("m", [{"nvidia.com/gpu": 1}])
     mine["metadata"]["labels"] = {"app": "x"}
     patch = json.loads(base64.b64decode((await server.review("/mutate", request(mine)))["patch"]))
-    assert apply_patch(mine, patch)["metadata"]["labels"] == {"app": "x", "kxpu.io/shared": "true"}
+    assert apply_patch(mine, patch)["metadata"]["labels"] == {"app": "x", "kxpu.io/assigned": "true"}
 
 
 async def test_certificates_rotate_without_a_restart(server: Server) -> None:

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 LOCK_PREFIX = "kxpu.io/lock."
-# On pods that ask for shared devices: set by the webhook at admission (by the extender at bind if
-# the webhook did not). The extender's pod watch selects on it, so once set only kxpu may change it
-# (the webhook enforces that): a pod that dropped it would vanish from the bookkeeping, its grant free.
-SHARED_POD_LABEL = "kxpu.io/shared"
+# On pods whose devices kxpu assigns: set by the webhook at admission (by the extender at bind if the
+# webhook did not; before this release, only then, hence the name). The extender's pod watch selects on
+# it, so once set only kxpu may change it (the webhook enforces that): a pod that dropped it would vanish
+# from the bookkeeping, its grant free. Renaming it would hide every running pod's grant after an upgrade.
+ASSIGNED_POD_LABEL = "kxpu.io/assigned"
 # Where a pod is between bind and admission ("allocating" → "allocated"), written by kxpu only.
 BIND_PHASE_ANNOTATION = "kxpu.io/bind-phase"
 ALLOCATED_PREFIX = "kxpu.io/allocated."

@@ -12,6 +12,7 @@ while it still binds the previous one.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -20,11 +21,18 @@ from typing import Any, Protocol
 
 from kxpu.logs import get_logger
 from kxpu.sharing.fit import Misfit, fit_pod, fit_scorer
+from kxpu.sharing.lock import ASSIGNED_POD_LABEL
 from kxpu.sharing.lock import BIND_PHASE_ANNOTATION as BIND_PHASE_ANNOTATION  # re-exported
-from kxpu.sharing.lock import SHARED_POD_LABEL
 from kxpu.sharing.model import Assignment, PodRequest, Policy
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod
-from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION, encode_assignment, sign
+from kxpu.sharing.signing import (
+    ASSIGNMENT_ANNOTATION,
+    SIGNATURE_ANNOTATION,
+    SignatureError,
+    encode_assignment,
+    sign,
+    verify,
+)
 from kxpu.sharing.state import ClusterState
 
 log = get_logger("kxpu.sharing.scheduler")
@@ -215,10 +223,10 @@ class Scheduler:
         pod = self._filtered.pop(uid, None) if uid else None
         meta = (pod or {}).get("metadata") or {}
         if pod is None or (meta.get("namespace"), meta.get("name")) != (namespace, name):
-            # Not filtered by us since this extender started (or an odd request): read it. The copy from
-            # filter is as good: requests are immutable, an edit of the placement annotations between filter
-            # and bind races either way, and a pod deleted or re-created meanwhile fails the UID preconditions
-            # of the assignment patch and the binding.
+            # Not filtered by us since this extender started, or a retry of a bind that took filter's copy
+            # (or an odd request): read it. The copy from filter is as good: requests are immutable, an edit
+            # of the placement annotations between filter and bind races either way, and a pod deleted or
+            # re-created meanwhile fails the Binding's UID precondition.
             try:
                 pod = await self.api.get_pod(namespace, name)
             except Exception as exc:
@@ -227,6 +235,12 @@ class Scheduler:
         if uid and actual_uid != uid:
             return f"pod {ref} was replaced (UID {actual_uid}, binding asked for {uid})"
         ref = PodRef(namespace, name, actual_uid)
+        bound_to = (pod.get("spec") or {}).get("nodeName")
+        if bound_to:
+            # kube-scheduler retries a bind whose answer it gave up waiting for, though it may have succeeded
+            if self._earlier_bind(pod, node) is not None:
+                return ""
+            return f"pod {ref} is already bound to {bound_to}"
         mutex = self._node_mutex.setdefault(node, asyncio.Lock())
         async with mutex:
             try:
@@ -241,7 +255,7 @@ class Scheduler:
                 return ""
             if isinstance(decision, Misfit):
                 return f"pod {ref} no longer fits {node}: {decision.reason}"
-            labelled = ((pod.get("metadata") or {}).get("labels") or {}).get(SHARED_POD_LABEL) == "true"
+            labelled = ((pod.get("metadata") or {}).get("labels") or {}).get(ASSIGNED_POD_LABEL) == "true"
             return await self._bind_assigned(ref, node, decision, labelled)
 
     async def _bind_assigned(self, ref: PodRef, node: str, assignment: Assignment, labelled: bool) -> str:
@@ -252,6 +266,11 @@ class Scheduler:
         (only kxpu can remove it); if not, it is added first, or the pod watch would never see the grant.
         """
         assert self.api is not None
+        if not labelled:
+            try:
+                await self.api.label_pod(ref)
+            except Exception as exc:
+                return f"cannot label pod {ref} for kxpu's pod watch: {exc}"
         locked: list[str] = []
         self.state.assume(assignment)
         try:
@@ -259,8 +278,6 @@ class Scheduler:
                 await self.api.acquire_lock(node, resource, ref)
                 locked.append(resource)
                 self.state.mark_locked(node)
-            if not labelled:
-                await self.api.label_pod(ref)
             annotations = {
                 ASSIGNMENT_ANNOTATION: encode_assignment(assignment),
                 SIGNATURE_ANNOTATION: sign(assignment, self.keys()),
@@ -269,6 +286,13 @@ class Scheduler:
             await self.api.bind(ref, node, annotations)
         except Exception as exc:
             self.state.forget(ref.uid)
+            earlier = None if isinstance(exc, LockBusy) else await self._read_earlier_bind(ref, node)
+            if earlier is not None:
+                # A retry that raced the bind it retries (kube-scheduler gave up waiting for it): that one
+                # succeeded, so its grant and the lock (re-taken by this same pod) stand.
+                self.state.assume(earlier)
+                log.info("bind retried after it succeeded", pod=str(ref), node=node)
+                return ""
             for resource in locked:
                 try:
                     await self.api.release_lock(node, resource, ref)
@@ -291,6 +315,37 @@ class Scheduler:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return ""
+
+    def _earlier_bind(self, pod: Mapping[str, Any], node: str) -> Assignment | None:
+        """The assignment a bind already gave ``pod`` on ``node`` (bound there, signed by our keys), if any."""
+        meta = pod.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        if (pod.get("spec") or {}).get("nodeName") != node or ASSIGNMENT_ANNOTATION not in annotations:
+            return None
+        try:
+            return verify(
+                annotations.get(ASSIGNMENT_ANNOTATION),
+                annotations.get(SIGNATURE_ANNOTATION),
+                self.keys(),
+                pod_uid=str(meta.get("uid", "")),
+                namespace=str(meta.get("namespace", "")),
+                name=str(meta.get("name", "")),
+                node=node,
+                now=self.clock(),
+                max_age_s=math.inf,
+            )
+        except SignatureError:
+            return None
+
+    async def _read_earlier_bind(self, ref: PodRef, node: str) -> Assignment | None:
+        assert self.api is not None
+        try:
+            pod = await self.api.get_pod(ref.namespace, ref.name)
+        except Exception:
+            return None
+        if str((pod.get("metadata") or {}).get("uid", "")) != ref.uid:
+            return None
+        return self._earlier_bind(pod, node)
 
     async def _event(self, ref: PodRef, reason: str, message: str) -> None:
         assert self.api is not None

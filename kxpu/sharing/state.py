@@ -34,6 +34,11 @@ class _NodeEntry:
         self.seen[resource] = now
         self.oldest = min(self.seen.values())
 
+    def unsee(self, resource: str) -> None:
+        """A dropped inventory cannot go stale: it must not keep the node on the slow staleness path."""
+        self.seen.pop(resource, None)
+        self.oldest = min(self.seen.values(), default=math.inf)
+
 
 class ClusterState:
     def __init__(
@@ -83,6 +88,7 @@ class ClusterState:
             entry.saw(resource, self.clock())
             if text is None:
                 entry.raw.pop(resource, None)
+                entry.unsee(resource)
                 entry.state.drop_inventory(resource)
                 changed = True
                 continue

@@ -5,7 +5,7 @@ family:
 
 - sets ``spec.schedulerName`` to the kxpu scheduler (when it is empty or
   ``default-scheduler``; a pod naming another scheduler keeps it);
-- labels it ``kxpu.io/shared=true``, the label the scheduler's pod watch selects on: set
+- labels it ``kxpu.io/assigned=true``, the label the scheduler's pod watch selects on: set
   here, the scheduler can bind with the assignment in one request (the Binding's
   annotations land on the pod), instead of labelling the pod at bind first;
 - adds the count resource (``default_count``) to containers that name only memory,
@@ -16,7 +16,7 @@ family:
 
 - a pod created with kxpu's own annotations (``kxpu.io/assignment``, its signature,
   ``kxpu.io/bind-phase``, ``kxpu.io/allocated.*``, ``kxpu.io/lock.*``), or an update
-  changing them or the ``kxpu.io/shared`` label by anyone but the trusted users (the
+  changing them or the ``kxpu.io/assigned`` label by anyone but the trusted users (the
   scheduler's and node daemon's service accounts). Defence in depth: a forged assignment
   would not verify anyway;
 - privileged containers asking for shared devices (they see every device, so no limit
@@ -58,7 +58,7 @@ from kxpu.logs import get_logger
 from kxpu.sharing import probes
 from kxpu.sharing import webhook_metrics as metrics
 from kxpu.sharing.config import DEFAULT_PROTECTED_ENV
-from kxpu.sharing.lock import ALLOCATED_PREFIX, BIND_PHASE_ANNOTATION, LOCK_PREFIX, SHARED_POD_LABEL
+from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, BIND_PHASE_ANNOTATION, LOCK_PREFIX
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod, requested_names
 from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION
 
@@ -99,9 +99,9 @@ def mutate(
     if spec.get("schedulerName") in (None, "", DEFAULT_SCHEDULER, scheduler_name):
         labels = (pod.get("metadata") or {}).get("labels")
         if not isinstance(labels, dict):
-            ops.append({"op": "add", "path": "/metadata/labels", "value": {SHARED_POD_LABEL: "true"}})
-        elif labels.get(SHARED_POD_LABEL) != "true":
-            path = f"/metadata/labels/{_escape(SHARED_POD_LABEL)}"
+            ops.append({"op": "add", "path": "/metadata/labels", "value": {ASSIGNED_POD_LABEL: "true"}})
+        elif labels.get(ASSIGNED_POD_LABEL) != "true":
+            path = f"/metadata/labels/{_escape(ASSIGNED_POD_LABEL)}"
             ops.append({"op": "add", "path": path, "value": "true"})
     for n, container in enumerate(spec.get("containers") or []):
         resources = container.get("resources")
@@ -138,12 +138,12 @@ def validate(
     operation = request.get("operation")
     annotations: Mapping[str, str] = (pod.get("metadata") or {}).get("annotations") or {}
     old_annotations: Mapping[str, str] = (old.get("metadata") or {}).get("annotations") or {}
-    label = ((pod.get("metadata") or {}).get("labels") or {}).get(SHARED_POD_LABEL)
-    old_label = ((old.get("metadata") or {}).get("labels") or {}).get(SHARED_POD_LABEL)
+    label = ((pod.get("metadata") or {}).get("labels") or {}).get(ASSIGNED_POD_LABEL)
+    old_label = ((old.get("metadata") or {}).get("labels") or {}).get(ASSIGNED_POD_LABEL)
     if user not in trusted_users and operation == "UPDATE" and label != old_label:
         # Removing it would hide the pod from the scheduler's bookkeeping: its grant would look free.
         # (At CREATE anyone may set it, /mutate does: it only makes the scheduler watch the pod.)
-        return f"only the kxpu scheduler may set or remove the {SHARED_POD_LABEL} label"
+        return f"only the kxpu scheduler may set or remove the {ASSIGNED_POD_LABEL} label"
     if user not in trusted_users:
         if operation == "CREATE":
             carried = sorted(a for a in annotations if reserved(a))

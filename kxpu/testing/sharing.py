@@ -13,7 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kxpu.sharing.lock import HARD_EXPIRED, SHARED_POD_LABEL, NodeLock, allocated_key, holder_state, lock_key
+from kxpu.sharing.lock import (
+    ASSIGNED_POD_LABEL,
+    HARD_EXPIRED,
+    NodeLock,
+    allocated_key,
+    holder_state,
+    lock_key,
+)
 from kxpu.sharing.model import NodeInventory, SharedDevice
 from kxpu.sharing.scheduler import LockBusy, PodRef
 
@@ -138,7 +145,7 @@ class FakeCluster:
             del annotations[lock_key(resource)]
 
     async def label_pod(self, pod: PodRef) -> None:
-        self.pods[(pod.namespace, pod.name)]["metadata"].setdefault("labels", {})[SHARED_POD_LABEL] = "true"
+        self.pods[(pod.namespace, pod.name)]["metadata"].setdefault("labels", {})[ASSIGNED_POD_LABEL] = "true"
         self.writes.append("label")
 
     async def bind(self, pod: PodRef, node: str, annotations: Mapping[str, str] | None = None) -> None:
@@ -146,6 +153,8 @@ class FakeCluster:
         if self.fail_bind:
             raise RuntimeError("binding refused (test)")
         obj = self.pods[(pod.namespace, pod.name)]
+        if obj["spec"].get("nodeName"):  # as the API server answers (409)
+            raise RuntimeError(f"pod {pod.name} is already assigned to node {obj['spec']['nodeName']!r}")
         obj["spec"]["nodeName"] = node  # with the annotations, in one write, as the API server does
         obj["metadata"].setdefault("annotations", {}).update(annotations or {})
 

@@ -1,4 +1,5 @@
-"""The extender's writes: node locks (compare-and-swap on resourceVersion), assignments, binding, events."""
+"""The extender's writes: node locks (compare-and-swap on resourceVersion), the pod watch label, the
+binding that carries the signed assignment, failing a pod stuck unadmitted, events."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from lightkube.types import PatchType
 
 from kxpu.logs import get_logger
 from kxpu.sharing.kube.client import (
-    SHARED_POD_LABEL,
+    ASSIGNED_POD_LABEL,
     annotations_of,
     is_status,
     now,
@@ -172,7 +173,7 @@ class KubeSchedulerAPI:
         return await cas_node_annotations(self.client, node, version, annotations)
 
     async def label_pod(self, pod: PodRef) -> None:
-        patch = {"metadata": {"uid": pod.uid, "labels": {SHARED_POD_LABEL: "true"}}}
+        patch = {"metadata": {"uid": pod.uid, "labels": {ASSIGNED_POD_LABEL: "true"}}}
         await self.client.patch(Pod, pod.name, patch, namespace=pod.namespace, patch_type=PatchType.MERGE)
 
     async def bind(self, pod: PodRef, node: str, annotations: Mapping[str, str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """Informer-style caches for the extender: list then watch nodes and pods, feeding ClusterState.
 
 Only nodes labelled ``kxpu.io/sharing`` (set by node daemons that publish an inventory) and
-pods labelled ``kxpu.io/shared`` (set by the webhook at admission, or by the extender before
+pods labelled ``kxpu.io/assigned`` (set by the webhook at admission, or by the extender before
 it binds) are watched, so a large cluster's other objects cost nothing. A watch that fails (410 Gone, a dropped connection)
 is followed by a fresh list that *replaces* the cache, then a new watch. A pod's
 assignment counts once its signature verifies (age is not checked here: a running pod
@@ -22,7 +22,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from kxpu.logs import get_logger
 from kxpu.sharing import signing
 from kxpu.sharing.kube.client import (
-    SHARED_POD_LABEL,
+    ASSIGNED_POD_LABEL,
     SHARING_NODE_LABEL,
     annotations_of,
     name_of,
@@ -147,7 +147,7 @@ class Informer:
                 self.state.set_node(name, annotations_of(node), version_of(node))
 
     async def _sync_pods(self) -> None:
-        listing = self.client.list(Pod, namespace="*", labels={SHARED_POD_LABEL: "true"})
+        listing = self.client.list(Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"})
         keys = self.keys()
         seen: set[str] = set()
         async for pod in listing:
@@ -159,7 +159,7 @@ class Informer:
         self._mark("pods")
         version = _list_version(listing)
         async for event, pod in self.client.watch(
-            Pod, namespace="*", labels={SHARED_POD_LABEL: "true"}, resource_version=version
+            Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"}, resource_version=version
         ):
             uid = uid_of(pod)
             if event == "DELETED":
