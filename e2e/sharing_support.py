@@ -53,6 +53,12 @@ NS = "kxpu-sharing"
 RAW_NS = "kxpu-sharing-raw"
 SCHEDULER = "kxpu-e2e-sharing"
 WEBHOOK_CONFIG = "kxpu-e2e-sharing"  # both webhook configurations' name
+# As the chart: a pods/status update reaches the validating webhook only if it changes labels or annotations.
+STATUS_CHANGES_METADATA = (
+    "request.?subResource.orValue('') != 'status'"
+    " || object.metadata.?labels.orValue({}) != oldObject.metadata.?labels.orValue({})"
+    " || object.metadata.?annotations.orValue({}) != oldObject.metadata.?annotations.orValue({})"
+)
 TRUSTED_USERS = ["kubernetes-admin"]  # the extender and the node daemon use the admin kubeconfig here
 TENANT = "kxpu-e2e-tenant"  # impersonated by the tests: not trusted by the webhook
 DEVICES = 2
@@ -330,9 +336,14 @@ class Sharing:
     def _webhooks(self) -> str:
         bundle = base64.b64encode(self.ca_pem).decode()
         docs = []
-        for kind, path, ops in (
-            ("Mutating", "/mutate", ["CREATE"]),
-            ("Validating", "/validate", ["CREATE", "UPDATE"]),
+        for kind, path, ops, resources in (
+            ("Mutating", "/mutate", ["CREATE"], ["pods"]),
+            (
+                "Validating",
+                "/validate",
+                ["CREATE", "UPDATE"],
+                ["pods", "pods/status"],
+            ),  # metadata goes through both
         ):
             hook = {
                 "name": f"{kind.lower()}.e2e-sharing.kxpu.io",
@@ -342,7 +353,7 @@ class Sharing:
                 "timeoutSeconds": 10,
                 "clientConfig": {"url": f"https://127.0.0.1:{WEBHOOK_PORT}{path}", "caBundle": bundle},
                 "rules": [
-                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ops, "resources": ["pods"]}
+                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ops, "resources": resources}
                 ],
                 "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NS}},
             }
@@ -352,7 +363,8 @@ class Sharing:
                     {
                         "name": "not-a-kxpu-update",
                         "expression": f"request.operation != 'UPDATE' || !(request.userInfo.username in [{users}])",
-                    }
+                    },
+                    {"name": "status-changes-metadata", "expression": STATUS_CHANGES_METADATA},
                 ]
             docs.append(
                 {

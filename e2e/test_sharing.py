@@ -184,7 +184,8 @@ def test_fifty_pods_at_once_never_overcommit(sharing: Sharing) -> None:
 
 
 def test_forged_or_unscheduled_pods_get_no_device(sharing: Sharing) -> None:
-    """3. A pod bringing its own assignment is denied by the webhook, and so is an edit of one; where the
+    """3. A pod bringing its own assignment is denied by the webhook, and so is an edit of one (through the pod
+    or its status) or dropping its assigned label; where the
     webhook does not reach (another namespace), a pod bound with nodeName and a copied assignment is refused
     by the node, with an event, and gets no device."""
     started = datetime.now(UTC).replace(microsecond=0)
@@ -209,6 +210,12 @@ def test_forged_or_unscheduled_pods_get_no_device(sharing: Sharing) -> None:
         "annotate", "pod", "honest", "-n", NS, "--overwrite", f"{signing.ASSIGNMENT_ANNOTATION}=forged"
     )
     assert edit.returncode != 0 and "only the kxpu scheduler and node daemon may change" in edit.stderr, edit
+    # nor through pods/status, which takes metadata changes too: dropping the label would hide the grant
+    unlabel = sharing.tenant_run(
+        "patch", "pod", "honest", "-n", NS, "--subresource=status", "--type=json",
+        "-p", json.dumps([{"op": "remove", "path": "/metadata/labels/kxpu.io~1assigned"}]),
+    )  # fmt: skip
+    assert unlabel.returncode != 0 and "only the kxpu scheduler may set or remove" in unlabel.stderr, unlabel
     assert {p["metadata"]["name"] for p in sharing.pods()} == {"honest"}
     after = kube.get_pod(sharing.cluster, "honest", NS)["metadata"]["annotations"]
     assert after[signing.ASSIGNMENT_ANNOTATION] == stolen[signing.ASSIGNMENT_ANNOTATION]

@@ -172,6 +172,11 @@ async def test_only_kxpu_changes_the_assigned_label_once_the_pod_exists(server: 
     assert (await server.review("/validate", request(freed, "UPDATE", held, user=TRUSTED[0])))["allowed"]
     relabelled = await server.review("/validate", request(held, "UPDATE", freed))
     assert not relabelled["allowed"]
+    through_status = {
+        **request(freed, "UPDATE", held),
+        "subResource": "status",
+    }  # metadata changes go through it too
+    assert not (await server.review("/validate", through_status))["allowed"]
     # born with it: /mutate sets it on every pod for the kxpu scheduler, and it only makes the pod watched
     assert (await server.review("/validate", request(held)))["allowed"]
     # a labelled pod with a labels map of its own keeps its labels

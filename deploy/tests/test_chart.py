@@ -19,6 +19,7 @@ from deploy.tests.conftest import (
     template,
     template_error,
 )
+from e2e.sharing_support import STATUS_CHANGES_METADATA
 from kxpu.config import parse_config
 
 NAMESPACED = {"ConfigMap", "DaemonSet", "Service", "ServiceAccount", "ServiceMonitor"}
@@ -547,7 +548,10 @@ def test_webhook_configurations(sharing: Rendered, kind: str) -> None:
         ]
     }
     (rule,) = hook["rules"]
-    assert rule["resources"] == ["pods"]
+    # the validating webhook sees pods/status too: the API server takes metadata changes through it
+    assert rule["resources"] == (
+        ["pods", "pods/status"] if kind == "ValidatingWebhookConfiguration" else ["pods"]
+    )
     assert rule["operations"] == (["CREATE"] if kind.startswith("Mutating") else ["CREATE", "UPDATE"])
     assert chart_values()["webhook"]["failurePolicy"] == "Fail"
     if kind.startswith("Mutating"):
@@ -559,7 +563,10 @@ def test_webhook_configurations(sharing: Rendered, kind: str) -> None:
             {
                 "name": "not-a-kxpu-update",
                 "expression": f"request.operation != 'UPDATE' || !(request.userInfo.username in [{trusted}])",
-            }
+            },
+            # the kubelet's status updates skip the call unless they change labels or annotations; the same
+            # expression as the e2e harness registers (so the e2e suite proves the API server compiles it)
+            {"name": "status-changes-metadata", "expression": STATUS_CHANGES_METADATA},
         ]
 
 

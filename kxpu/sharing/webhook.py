@@ -34,7 +34,9 @@ cert-manager); they are re-read when they change, so rotation needs no restart.
 
 Recommended ``failurePolicy``: ``Fail`` for both, with a ``namespaceSelector`` that
 leaves out ``kube-system`` and the kxpu namespace (so kxpu can always start) and an
-``objectSelector``-free rule on pods CREATE (mutating) and CREATE/UPDATE (validating).
+``objectSelector``-free rule on pods CREATE (mutating) and CREATE/UPDATE (validating), the
+validating one on ``pods/status`` too (the API server takes label and annotation changes through
+it), with a ``matchConditions`` entry that sends a status update only when it changes them.
 With ``Ignore``, a pod admitted while the webhook is down reaches the default scheduler
 and then fails admission on the node with a clear "no verified assignment" error and
 event; nothing is ever over-committed either way, ``Fail`` just fails earlier and louder.
