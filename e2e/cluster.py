@@ -257,12 +257,8 @@ class Cluster:
         for tool in ("openssl", str(RUNC), str(CNI_BIN_DIR / "bridge")):
             if not shutil.which(tool):
                 raise ClusterError(f"{tool} not found; run hack/cluster/build.sh deps")
-        if self.state.exists():
-            if all(self.running().values()) and self._node_ready():
-                log(f"already up (state {self.state})")
-                return
-            log(f"stale state in {self.state}; tearing it down first")
-            self.down()
+        if self._already_up(self._node_ready, "already up"):
+            return
         self._refuse_if_sibling_up()
         t0 = time.monotonic()
         for sub in ("pki", "logs", "pids", "etcd", "containerd", "cni/net.d", "cni/ipam", "images", "runc"):
@@ -309,12 +305,8 @@ class Cluster:
             )
         if not shutil.which("openssl"):
             raise ClusterError("openssl not found (it makes the certificates)")
-        if self.state.exists():
-            if all(self.running().values()) and self._control_plane_ready():
-                log(f"already up, control plane only (state {self.state})")
-                return
-            log(f"stale state in {self.state}; tearing it down first")
-            self.down()
+        if self._already_up(self._control_plane_ready, "already up, control plane only"):
+            return
         self._refuse_if_sibling_up()
         busy = [port for port in (API_PORT, ETCD_CLIENT_PORT, ETCD_PEER_PORT) if _listening(port)]
         if busy:
@@ -350,6 +342,17 @@ class Cluster:
             f"up in {time.monotonic() - t0:.1f}s, control plane only ({', '.join(self.components)}); "
             f"export KUBECONFIG={self.kubeconfig}"
         )
+
+    def _already_up(self, ready: Callable[[], bool], what: str) -> bool:
+        """Whether an earlier ``up`` left this cluster running and ready; stale state is torn down."""
+        if not self.state.exists():
+            return False
+        if all(self.running().values()) and ready():
+            log(f"{what} (state {self.state})")
+            return True
+        log(f"stale state in {self.state}; tearing it down first")
+        self.down()
+        return False
 
     def _refuse_if_sibling_up(self) -> None:
         """The two modes share ports: start neither while the other runs."""

@@ -384,15 +384,7 @@ class Sharing:
         self._write_tls()
         if node:
             for ns in (NS, RAW_NS):  # an earlier run's namespace may still be terminating
-                k(
-                    "delete",
-                    "namespace",
-                    ns,
-                    "--ignore-not-found",
-                    "--wait=true",
-                    "--timeout=90s",
-                    timeout=120,
-                )
+                self._kubectl_delete_namespace(ns)
                 k("create", "namespace", ns)
             k("-n", NS, "create", "secret", "generic", "keys", f"--from-literal=keys={self.key.decode()}")
         else:
@@ -414,6 +406,13 @@ class Sharing:
         )
         probe = self.pod("webhook-probe", {MEM: 100})
         kube.wait_until("the webhook admitting a dry-run pod", lambda: self._dry_run(probe), 60)
+
+    def _kubectl_delete_namespace(self, ns: str, check: bool = True) -> None:
+        """Delete a namespace and wait until it is gone (its pods stopped by the kubelet)."""
+        self.cluster.kubectl(
+            "delete", "namespace", ns, "--ignore-not-found", "--wait=true", "--timeout=90s",
+            check=check, timeout=120,
+        )  # fmt: skip
 
     def wait_node_ready(self) -> None:
         """The daemon registered its slots and published the inventory the extender reads."""
@@ -504,16 +503,7 @@ class Sharing:
         with contextlib.suppress(Exception):
             self.delete_pods()
         for ns in (NS, RAW_NS):
-            k(
-                "delete",
-                "namespace",
-                ns,
-                "--ignore-not-found",
-                "--wait=true",
-                "--timeout=90s",
-                check=False,
-                timeout=120,
-            )
+            self._kubectl_delete_namespace(ns, check=False)
         for proc in reversed(self.procs):
             proc.stop()
         k("annotate", "node", NODE_NAME, f"{annotation_key(RES)}-", f"{lock_key(RES)}-", check=False)

@@ -141,10 +141,7 @@ class ClusterState:
 
     def node(self, name: str) -> NodeState | None:
         """The node's state, without inventories not refreshed within ``stale_after_s``."""
-        entry = self._nodes.get(name)
-        if entry is None:
-            return None
-        return entry.state if self.stale_after_s is None else self._fresh(entry, self.clock())
+        return self.nodes((name,))[0]
 
     def nodes(self, names: Iterable[str]) -> list[NodeState | None]:
         """``node`` for many names at one instant: filter and prioritize ask it for every node.
@@ -163,10 +160,9 @@ class ClusterState:
         ]
 
     def _fresh(self, entry: _NodeEntry, now: float) -> NodeState:
-        """The entry's state, or a copy (version -1) without the inventories that are stale at ``now``."""
+        """A copy (version -1) of a state with a stale-looking inventory, without those stale at ``now``."""
         limit = self.stale_after_s
-        if limit is None or now - entry.oldest <= limit:
-            return entry.state
+        assert limit is not None  # nodes() asks only when a limit is set and the oldest refresh passed it
         stale = [r for r in entry.state.families if now - entry.seen.get(r, now) > limit]
         if not stale:
             return entry.state
