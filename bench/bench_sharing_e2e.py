@@ -54,8 +54,8 @@ from measure import cpu_seconds, percentile
 from e2e.cluster import Cluster, exclusive
 from e2e.sharing_support import CORES, EXTENDER_METRICS_PORT, MEM, NS, RES, SCHEDULER, SPLIT, Sharing
 from kxpu.sharing import inventory
+from kxpu.sharing.inventory import SHARING_NODE_LABEL
 from kxpu.sharing.kube.api import release
-from kxpu.sharing.kube.client import SHARING_NODE_LABEL
 from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, allocated_key
 from kxpu.sharing.model import NodeInventory, SharedDevice
 

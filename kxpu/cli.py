@@ -296,7 +296,7 @@ def _check_address(option: str, address: str) -> None:
 def _cluster_status(kubeconfig: Path | None, only: frozenset[str], output: str) -> None:
     from lightkube import AsyncClient, ConfigError, KubeConfig
 
-    from kxpu.sharing.kube.client import FIELD_MANAGER
+    from kxpu.kube.client import FIELD_MANAGER
     from kxpu.status import fetch_cluster_status, format_cluster_table
 
     try:

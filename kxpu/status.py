@@ -387,7 +387,7 @@ async def fetch_cluster_status(
     from lightkube.resources.core_v1 import Node, Pod
 
     if client is None:
-        from kxpu.sharing.kube.client import make_client
+        from kxpu.kube.client import make_client
 
         client = make_client()
     nodes = [n.to_dict() async for n in client.list(Node)]

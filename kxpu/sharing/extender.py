@@ -269,8 +269,8 @@ async def sweep_locks(
 async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_address: str = "") -> None:
     """Run the extender until cancelled: caches from watches, keys from the Secret, HTTP on ``address``
     (and metrics and probes on ``metrics_address`` unless it is empty)."""
+    from kxpu.kube.client import make_client
     from kxpu.sharing.kube.api import KubeSchedulerAPI
-    from kxpu.sharing.kube.client import make_client
     from kxpu.sharing.kube.informer import Informer
     from kxpu.sharing.kube.keys import KeyStore
 

@@ -25,6 +25,8 @@ from kxpu.sharing.model import NodeInventory, SharedDevice
 
 VERSION = "v1"
 ANNOTATION_PREFIX = "kxpu.io/devices."
+# Set by the node daemon on nodes that publish an inventory: the extender watches only those nodes.
+SHARING_NODE_LABEL = "kxpu.io/sharing"
 _MAX_NAME = 63
 
 

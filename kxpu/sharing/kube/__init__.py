@@ -1,4 +1,5 @@
-"""The thin Kubernetes layer of sharing (lightkube): caches fed by watches, node locks, bind, events, keys.
+"""Sharing's adapters over the Kubernetes client (``kxpu.kube``): caches fed by watches, node locks, bind,
+the node's inventory and handshake, signing keys.
 
-Everything above it speaks plain dicts and dataclasses; only this package imports lightkube.
+Everything above it speaks plain dicts and dataclasses; lightkube is imported only here and in ``kxpu.kube``.
 """

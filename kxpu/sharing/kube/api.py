@@ -12,16 +12,16 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
+from kxpu.kube.client import annotations_of, is_status, now, post_event, version_of
 from kxpu.logs import get_logger
-from kxpu.sharing.kube.client import (
+from kxpu.sharing.lock import (
     ASSIGNED_POD_LABEL,
-    annotations_of,
-    is_status,
-    now,
-    post_event,
-    version_of,
+    HARD_EXPIRED,
+    LockError,
+    NodeLock,
+    holder_state,
+    lock_key,
 )
-from kxpu.sharing.lock import HARD_EXPIRED, LockError, NodeLock, holder_state, lock_key
 from kxpu.sharing.scheduler import LockBusy, PodRef
 
 log = get_logger("kxpu.sharing.kube.api")

@@ -19,16 +19,11 @@ from typing import Any
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node, Pod
 
+from kxpu.kube.client import annotations_of, name_of, uid_of, version_of
 from kxpu.logs import get_logger
 from kxpu.sharing import signing
-from kxpu.sharing.kube.client import (
-    ASSIGNED_POD_LABEL,
-    SHARING_NODE_LABEL,
-    annotations_of,
-    name_of,
-    uid_of,
-    version_of,
-)
+from kxpu.sharing.inventory import SHARING_NODE_LABEL
+from kxpu.sharing.lock import ASSIGNED_POD_LABEL
 from kxpu.sharing.model import Assignment
 from kxpu.sharing.state import ClusterState
 

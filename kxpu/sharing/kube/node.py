@@ -9,16 +9,10 @@ from lightkube import ApiError, AsyncClient
 from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
+from kxpu.kube.client import annotations_of, is_status, make_client, now, post_event
 from kxpu.sharing.config import SharingConfig
+from kxpu.sharing.inventory import SHARING_NODE_LABEL
 from kxpu.sharing.kube.api import release
-from kxpu.sharing.kube.client import (
-    SHARING_NODE_LABEL,
-    annotations_of,
-    is_status,
-    make_client,
-    now,
-    post_event,
-)
 from kxpu.sharing.kube.keys import KeyStore
 from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, LockError, NodeLock, allocated_key, lock_key
 

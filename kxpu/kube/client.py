@@ -12,11 +12,7 @@ from lightkube.models.core_v1 import EventSource, ObjectReference
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event
 
-from kxpu.sharing.lock import ASSIGNED_POD_LABEL as ASSIGNED_POD_LABEL  # re-exported for kube/
-
 FIELD_MANAGER = "kxpu"
-# Labels that let the watches select only what kxpu cares about in a large cluster.
-SHARING_NODE_LABEL = "kxpu.io/sharing"  # set by the node daemon on nodes that publish an inventory
 
 
 def make_client() -> AsyncClient:
