@@ -15,6 +15,13 @@ export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS="-trimpath -buildvcs=false -mod=r
 
 log() { printf '%s build: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
+# One build at a time per cache (two checkouts, or CI beside a developer): each waits for the other.
+if [[ ${1:-all} != paths ]]; then
+  mkdir -p "$CACHE"
+  exec 9>"$CACHE/.cluster-build.lock"
+  flock 9
+fi
+
 # The version a go.mod requires for a module (first match of "<module> vX").
 mod_version() {
   awk -v m="$2" '$1 == "require" {$1 = ""; $0 = $0} $1 == m && $2 ~ /^v/ {print $2; exit}' "$1/go.mod"

@@ -19,6 +19,9 @@ log() { printf '%s helm: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 if [[ ${1:-build} == path ]]; then echo "$DIR/helm"; exit 0; fi
 [[ ${1:-build} == build ]] || { echo "usage: $0 [build|path]" >&2; exit 2; }
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.helm-build.lock"  # one build at a time per cache
+flock 9
 
 # helm's Makefile stamps its version and the Kubernetes version it assumes when no cluster is asked
 # (`helm template`, `helm lint`: .Capabilities.KubeVersion); both come from -X flags, so set them the same way.

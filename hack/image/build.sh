@@ -71,6 +71,10 @@ if ((${#missing[@]})); then
 fi
 "$PY" "$HERE/lock.py" --check
 
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.image-build.lock"  # one build at a time per cache (the base layer and apt archives are shared)
+flock 9
+
 BASE_KEY=$(digest <"$HERE/build.sh")
 BASE=$CACHE/base-$BASE_KEY
 # kxpu's sources as git sees them (tracked and new files, not ignored ones), by content.
