@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.installed-stamp
 .PHONY: dev test lint unit e2e demo demo-standin bench proto clean helm helm-check manifests image image-lock \
 	cluster-build cluster-up cluster-down
 ROOT   := $(shell id -u)
+# The oldest Kubernetes release kxpu supports (hack/cluster/k8s/<release>); the newest is the default everywhere.
+OLDEST_K8S := 1.34
 
 dev: $(STAMP)
 
@@ -53,6 +55,7 @@ proto: dev
 ## built from upstream Go modules into /var/cache/kxpu once (~10 min), then the e2e scenarios. Root only.
 cluster-build:
 	hack/cluster/build.sh all
+	KXPU_K8S_RELEASE=$(OLDEST_K8S) hack/cluster/build.sh k8s
 
 cluster-up: dev cluster-build
 	$(BIN)/python -m e2e.cluster up
@@ -60,11 +63,14 @@ cluster-up: dev cluster-build
 cluster-down: dev
 	$(BIN)/python -m e2e.cluster down
 
+## Every scenario on the newest Kubernetes release, then the device-plugin core (-m core) on the oldest supported.
 e2e: dev helm
 ifeq ($(ROOT),0)
 	hack/cluster/build.sh all
+	KXPU_K8S_RELEASE=$(OLDEST_K8S) hack/cluster/build.sh k8s
 	hack/image/build.sh
 	$(BIN)/pytest e2e -q
+	KXPU_K8S_RELEASE=$(OLDEST_K8S) $(BIN)/pytest e2e -q -m core
 else
 	@echo "e2e: SKIPPED — the kubelet and containerd need root (cgroups, mounts, network namespaces)"
 endif

@@ -120,13 +120,14 @@ def wait_for(
         time.sleep(interval)
 
 
-def build_paths() -> tuple[Path, Path]:
-    """The cached binary directories for the pinned versions, as build.sh computes them."""
+def build_paths() -> tuple[Path, Path, str]:
+    """The cached binary directories and the Kubernetes release (``KXPU_K8S_RELEASE``, default the newest
+    tested), as build.sh computes them."""
     out = subprocess.run(
         ["bash", str(BUILD_SCRIPT), "paths"], check=True, capture_output=True, text=True
     ).stdout
     values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return Path(values["K8S_BIN"]), Path(values["CONTAINERD_BIN"])
+    return Path(values["K8S_BIN"]), Path(values["CONTAINERD_BIN"]), values["K8S_RELEASE"]
 
 
 def state_dir(control_plane_only: bool) -> Path:
@@ -143,14 +144,24 @@ class Cluster:
     k8s_bin: Path
     containerd_bin: Path
     control_plane_only: bool = False
+    release: str = ""  # the Kubernetes minor release, e.g. "1.37" (KXPU_K8S_RELEASE)
 
     @classmethod
     def default(cls, control_plane_only: bool = False) -> Cluster:
         """The normal cluster, or the control-plane-only one (its own state directory, the same ports)."""
-        k8s_bin, containerd_bin = build_paths()
+        k8s_bin, containerd_bin, release = build_paths()
         if os.environ.get(K8S_BIN_ENV):
             k8s_bin = Path(os.environ[K8S_BIN_ENV]).resolve()
-        return cls(state_dir(control_plane_only), k8s_bin, containerd_bin, control_plane_only)
+        return cls(state_dir(control_plane_only), k8s_bin, containerd_bin, control_plane_only, release)
+
+    @property
+    def release_tuple(self) -> tuple[int, int]:
+        """(1, 37) for "1.37"; (0, 0) when unknown."""
+        try:
+            major, minor = self.release.split(".")[:2]
+            return int(major), int(minor)
+        except ValueError:
+            return (0, 0)
 
     def sibling(self) -> Cluster:
         """The other mode's cluster on this host (same binaries): it uses the same ports as this one."""
@@ -225,14 +236,17 @@ class Cluster:
         return proc.stdout
 
     def pid(self, component: str) -> int | None:
-        """PID of a running component this harness started, or None; the executable must match (no PID reuse)."""
+        """PID of a running component this harness started, or None; its executable must be the one recorded at
+        start (no PID reuse), whichever release's binary that was."""
         try:
-            pid = int(self._pid_file(component).read_text().strip())
+            recorded = self._pid_file(component).read_text().split(maxsplit=1)
+            pid = int(recorded[0])
+            binary = recorded[1].strip() if len(recorded) > 1 else str(self._binary(component))
             exe = os.readlink(f"/proc/{pid}/exe")
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             return None
         # A binary replaced in the cache while running shows as "<path> (deleted)"; it is still ours.
-        return pid if exe.removesuffix(" (deleted)") == str(self._binary(component)) else None
+        return pid if exe.removesuffix(" (deleted)") == binary else None
 
     def running(self) -> dict[str, int | None]:
         return {c: self.pid(c) for c in self.components}
@@ -288,7 +302,9 @@ class Cluster:
             60,
             str(self.log_file("kube-controller-manager")),
         )
-        log(f"up in {time.monotonic() - t0:.1f}s; export KUBECONFIG={self.kubeconfig}")
+        log(
+            f"up in {time.monotonic() - t0:.1f}s (Kubernetes {self.release}); export KUBECONFIG={self.kubeconfig}"
+        )
 
     def _up_control_plane(self) -> None:
         """etcd, kube-apiserver, kube-scheduler (and kube-controller-manager if built); wait for /readyz and
@@ -399,7 +415,7 @@ class Cluster:
             cwd=self.state,
         )
         out.close()
-        self._pid_file(component).write_text(f"{proc.pid}\n")
+        self._pid_file(component).write_text(f"{proc.pid} {argv[0]}\n")
         log(f"started {component} (pid {proc.pid}); log {self.log_file(component)}")
 
     def _env(self) -> dict[str, str]:
@@ -988,7 +1004,9 @@ state = "{s}/containerd/state"
         ready = False
         with contextlib.suppress(ClusterError, subprocess.SubprocessError, OSError):
             ready = all(running.values()) and self._node_ready()
-        print(f"node {NODE_NAME}: {'Ready' if ready else 'not ready'}")
+        print(
+            f"node {NODE_NAME}: {'Ready' if ready else 'not ready'} (Kubernetes {self.release}, {self.k8s_bin})"
+        )
         print(f"state {self.state}; logs {self.logs}; device plugins {DEVICE_PLUGIN_DIR}")
         return 0 if ready else 1
 

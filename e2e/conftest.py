@@ -16,14 +16,14 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from e2e import kube
-from e2e.cluster import COMPONENTS, REPO, Cluster, ClusterError, exclusive, tail_file
+from e2e.cluster import COMPONENTS, NODE_NAME, REPO, Cluster, ClusterError, exclusive, tail_file
 
 _CLUSTER: Cluster | None = None
 _CONTEXT_KEY = pytest.StashKey["E2E"]()
@@ -31,12 +31,19 @@ SCENARIO_TIMEOUT = 300  # seconds per test; the cluster start is budgeted to the
 LOCK_WAIT = float(os.environ.get("KXPU_E2E_LOCK_WAIT", "900"))  # for another e2e session to finish
 
 
+# The device-plugin core: also run on the oldest supported Kubernetes release (`make e2e` runs `-m core` there).
+CORE_SCENARIOS = frozenset({"test_simulated.py", "test_restarts.py", "test_generic.py", "test_cdi.py"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip everything without root; give each scenario a longer pytest-timeout than unit tests get."""
+    """Skip everything without root; give each scenario a longer pytest-timeout than unit tests get; mark the
+    device-plugin core scenarios ``core``."""
     here = Path(__file__).parent
     for item in items:
         if here not in Path(str(item.fspath)).parents:
             continue
+        if Path(str(item.fspath)).name in CORE_SCENARIOS:
+            item.add_marker(pytest.mark.core)
         if os.geteuid() != 0:
             item.add_marker(
                 pytest.mark.skip(reason="e2e needs root: it runs a kubelet, containerd and mounts")
@@ -88,8 +95,11 @@ def kxpu_binary() -> Path:
 class Kxpu:
     """One ``kxpu plugin`` process on the host, with its config and log file."""
 
-    def __init__(self, binary: Path, config: Path, log: Path, resources: list[str]) -> None:
+    def __init__(
+        self, binary: Path, config: Path, log: Path, resources: list[str], env: dict[str, str] | None = None
+    ) -> None:
         self.binary, self.config, self.log, self.resources = binary, config, log, resources
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -101,6 +111,7 @@ class Kxpu:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                env=None if self.env is None else {**os.environ, **self.env},
             )
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 20) -> int | None:
@@ -131,14 +142,25 @@ class E2E:
         self.daemons: list[Kxpu] = []
         self.pods: list[kube.PodSpec] = []
         self.logs: dict[str, Path] = {}  # more logs for a failed test's report (e.g. control-plane processes)
+        self.cleanups: list[Callable[[], object]] = []  # after pods and daemons, last added first
 
-    def kxpu(self, resources: list[dict[str, Any]], start: bool = True) -> Kxpu:
-        """Write a kxpu config (JSON is YAML) and start a daemon for it."""
+    def kxpu(
+        self,
+        resources: list[dict[str, Any]],
+        start: bool = True,
+        env: dict[str, str] | None = None,
+        **top: Any,
+    ) -> Kxpu:
+        """Write a kxpu config (JSON is YAML; ``top``: more top-level keys) and start a daemon for it. A
+        resource served through DRA gets the node's name and the cluster's admin kubeconfig, as the chart's
+        DaemonSet gets its node name and service account."""
         n = len(self.daemons)
         config = self.tmp / f"kxpu-{n}.yaml"
-        config.write_text(json.dumps({"version": "v1", "resources": resources}, indent=2) + "\n")
-        names = [str(r["name"]) for r in resources]
-        daemon = Kxpu(kxpu_binary(), config, self.tmp / f"kxpu-{n}.log", names)
+        config.write_text(json.dumps({"version": "v1", "resources": resources, **top}, indent=2) + "\n")
+        names = [str(r["name"]) for r in resources if r.get("serve") != "dra"]
+        if any(r.get("serve") == "dra" for r in resources):
+            env = {"NODE_NAME": NODE_NAME, "KUBECONFIG": str(self.cluster.kubeconfig), **(env or {})}
+        daemon = Kxpu(kxpu_binary(), config, self.tmp / f"kxpu-{n}.log", names, env)
         self.daemons.append(daemon)
         if start:
             daemon.start()
@@ -164,6 +186,11 @@ class E2E:
                 daemon.stop()
             except Exception as exc:
                 errors.append(f"stopping kxpu: {exc}")
+        for cleanup in reversed(self.cleanups):
+            try:
+                cleanup()
+            except Exception as exc:
+                errors.append(f"cleaning up: {exc}")
         # Leave no healthy devices behind: the next scenario's wait for allocatable must see its own daemon
         # register, not this one's stale node status.
         for resource in sorted({r for d in self.daemons for r in d.resources}):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -93,12 +93,18 @@ class PodSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     namespace: str = "default"
     idle: bool = True  # keep running after the script (for restart scenarios and log reads)
+    # DRA: the pod's resourceClaims ({"name", "resourceClaimTemplateName" | "resourceClaimName"}); the container
+    # uses all of them.
+    claims: Sequence[Mapping[str, str]] = ()
 
     def manifest(self) -> dict[str, Any]:
         # PID 1 in the container ignores SIGTERM by default; trap it so deletion is quick.
         body = "trap 'exit 0' TERM\n" + self.script + ("\nsleep 3600 & wait\n" if self.idle else "\n")
         limits = {k: str(v) for k, v in self.limits.items()}
-        return {
+        resources: dict[str, Any] = {"limits": limits, "requests": limits}
+        if self.claims:
+            resources["claims"] = [{"name": c["name"]} for c in self.claims]
+        pod: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": self.name, "namespace": self.namespace, "labels": dict(self.labels)},
@@ -112,11 +118,14 @@ class PodSpec:
                         "image": TEST_IMAGE,
                         "imagePullPolicy": "Never",  # local images only; there is no registry
                         "command": ["sh", "-c", body],
-                        "resources": {"limits": limits, "requests": limits},
+                        "resources": resources,
                     }
                 ],
             },
         }
+        if self.claims:
+            pod["spec"]["resourceClaims"] = [dict(c) for c in self.claims]
+        return pod
 
 
 def create_pod(cluster: Cluster, spec: PodSpec) -> None:

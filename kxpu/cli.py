@@ -146,13 +146,46 @@ def plugin(
         except ValueError as exc:
             _fail(str(exc))
 
+    node = os.environ.get("NODE_NAME", "")
+    for resource in config.resources:
+        if resource.serve == "dra" and not (resource.dra.node_name or node):
+            _fail(f"{resource.name}: serving through DRA needs the node name (dra.nodeName or $NODE_NAME)")
+
     def reload() -> Config:
         return load_config(config_path, device_plugin_dir)
 
     async def serve() -> int:
-        return await Daemon(config, reload, _build, http_address or None).run()
+        daemon = Daemon(config, reload, _build, http_address or None, dra=lambda *args: _dra(daemon, *args))
+        return await daemon.run()
 
     sys.exit(asyncio.run(serve()))
+
+
+def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any) -> Any:
+    """The DRA half of a resource: its API client and the kubelet directories of the running config."""
+    from kxpu.dra.kube import DraKube
+    from kxpu.dra.plugin import DraPlugin
+
+    node = resource.dra.node_name or os.environ.get("NODE_NAME", "")
+    if not node:  # checked at start; a reload may bring a DRA resource without one
+        raise ValueError(
+            f"{resource.name}: serving through DRA needs the node name (dra.nodeName or $NODE_NAME)"
+        )
+    kube = DraKube(resource.dra_driver)
+    config = daemon.config
+    return DraPlugin(
+        resource.name,
+        resource.dra_driver,
+        node,
+        backend,
+        snapshot,
+        config.kubelet_plugins_dir,
+        config.plugins_registry_dir,
+        resource.dra.cdi_spec_dir,
+        kube,
+        kube,
+        resource.dra.unhealthy,
+    )
 
 
 def device_to_json(device: Device) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from pydantic.alias_generators import to_camel
 import kxpu.backends  # noqa: F401  (registers the built-in backends)
 from kxpu.backends.registry import BackendConfig, known_keys, lookup
 from kxpu.cdi.spec import validate_kind
+from kxpu.dra.config import DEFAULT_KUBELET_PLUGINS_DIR, DEFAULT_PLUGINS_REGISTRY_DIR, DraConfig
+from kxpu.dra.names import default_driver_name
 from kxpu.sharing.config import SharingConfig
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -85,10 +87,36 @@ class ResourceConfig(_Model):
     sharing: SharingConfig | None = Field(
         default=None, description="fractional sharing (kxpu.sharing.config)"
     )
+    serve: Literal["devicePlugin", "dra"] = Field(
+        default="devicePlugin",
+        description="how the kubelet gets the devices: the Device Plugin API, or Dynamic Resource Allocation",
+    )
+    dra: DraConfig = Field(default_factory=DraConfig)
 
     @property
     def cdi_kind(self) -> str:
         return self.cdi.kind or self.name
+
+    @property
+    def dra_driver(self) -> str:
+        """The DRA driver name (also the kubelet plugin's name and every ResourceSlice's ``spec.driver``)."""
+        return self.dra.driver_name or default_driver_name(self.name)
+
+    @model_validator(mode="after")
+    def _serving(self) -> ResourceConfig:
+        if self.serve != "dra":
+            return self
+        if self.cdi.enabled:
+            raise ValueError(
+                "cdi: applies to the device plugin's Allocate answer; a resource served through DRA always gets "
+                "per-claim CDI specs (set dra.cdiSpecDir instead)"
+            )
+        if self.sharing is not None:
+            raise ValueError(
+                "sharing: is fractional sharing through the scheduler extender, which needs serve: devicePlugin"
+            )
+        self.dra_driver  # noqa: B018  (raises ValueError naming the fix when no driver name can be derived)
+        return self
 
     @model_validator(mode="after")
     def _cdi_kind(self) -> ResourceConfig:
@@ -112,7 +140,7 @@ class ResourceConfig(_Model):
         """Turn ``{name, <backendKey>: {...}}`` into ``{name, backend, backend_config}``."""
         if not isinstance(data, dict) or "backend" in data:
             return data
-        own = {"name", "cdi", "sharing"}
+        own = {"name", "cdi", "sharing", "serve", "dra"}
         candidates = [k for k in data if k not in own]
         unknown = [k for k in candidates if lookup(k) is None]
         if unknown:
@@ -143,6 +171,12 @@ class ResourceConfig(_Model):
 class Config(_Model):
     version: Literal["v1"]
     device_plugin_dir: Path = DEFAULT_DEVICE_PLUGIN_DIR
+    kubelet_plugins_dir: Path = Field(
+        default=DEFAULT_KUBELET_PLUGINS_DIR, description="DRA: <dir>/<driver>/dra.sock and its checkpoint"
+    )
+    plugins_registry_dir: Path = Field(
+        default=DEFAULT_PLUGINS_REGISTRY_DIR, description="DRA: where the kubelet finds registration sockets"
+    )
     resources: list[ResourceConfig] = Field(min_length=1)
 
     @field_validator("resources")
@@ -156,7 +190,24 @@ class Config(_Model):
         shared = sorted({k for k in kinds if kinds.count(k) > 1})
         if shared:  # each would overwrite the other's spec file
             raise ValueError(f"CDI kinds must be unique across resources; repeated: {', '.join(shared)}")
+        drivers = [r.dra_driver for r in value if r.serve == "dra"]
+        twice = sorted({d for d in drivers if drivers.count(d) > 1})
+        if twice:  # one kubelet plugin, one pool per node and driver
+            raise ValueError(
+                f"DRA driver names must be unique across resources; repeated: {', '.join(twice)}"
+            )
         return value
+
+    @model_validator(mode="after")
+    def _dra_socket_paths(self) -> Config:
+        from kxpu.dra.plugin import check_dra_socket_paths
+
+        for resource in self.resources:
+            if resource.serve == "dra":
+                check_dra_socket_paths(
+                    self.kubelet_plugins_dir, self.plugins_registry_dir, resource.dra_driver
+                )
+        return self
 
 
 class ConfigError(Exception):

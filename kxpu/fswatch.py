@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 from asyncinotify import Inotify, Mask
 
 from kxpu.logs import get_logger
+from kxpu.timeouts import within
 
 log = get_logger("kxpu.fswatch")
 
@@ -83,9 +83,8 @@ async def directory_changes(
                 forget(Path(str(event.watch.path)) if event.watch else None)
             # Drain the rest of the burst before waking the caller.
             while True:
-                try:
-                    more = await asyncio.wait_for(anext(events), COALESCE_SECONDS)
-                except TimeoutError:
+                more = await within(anext(events), COALESCE_SECONDS)
+                if more is None:
                     break
                 wake = wake or _is_relevant(more.path, more.mask, relevant)
                 if more.mask & Mask.IGNORED:

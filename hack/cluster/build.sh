@@ -6,17 +6,27 @@
 # and installs runc and the CNI plugins from Debian. An entry is used only when its .stamp (written last, after
 # every binary answered --version) matches the module files; anything else is rebuilt from scratch.
 #
-# usage: hack/cluster/build.sh [deps|k8s|containerd|all|paths]   (default: all; needs root for deps)
+# Each tested Kubernetes release has its own module, k8s/<release>/go.mod; KXPU_K8S_RELEASE (e.g. 1.34) picks
+# one, default the newest. `releases` lists them, newest first.
+#
+# usage: hack/cluster/build.sh [deps|k8s|containerd|all|paths|releases]   (default: all; needs root for deps)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=${KXPU_CACHE:-/var/cache/kxpu}
+RELEASES=$(cd "$HERE/k8s" && ls -d [0-9]* | sort -rV)
+RELEASE=${KXPU_K8S_RELEASE:-$(head -n1 <<<"$RELEASES")}
+K8S_MOD=$HERE/k8s/$RELEASE
+if [[ ! -f $K8S_MOD/go.mod ]]; then
+  echo "KXPU_K8S_RELEASE=$RELEASE: no such release; tested: $(tr '\n' ' ' <<<"$RELEASES")" >&2
+  exit 2
+fi
 export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS="-trimpath -buildvcs=false -mod=readonly"
 
 log() { printf '%s build: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 # One build at a time per cache (two checkouts, or CI beside a developer): each waits for the other.
-if [[ ${1:-all} != paths ]]; then
+if [[ ${1:-all} != paths && ${1:-all} != releases ]]; then
   mkdir -p "$CACHE"
   exec 9>"$CACHE/.cluster-build.lock"
   flock 9
@@ -27,7 +37,7 @@ mod_version() {
   awk -v m="$2" '$1 == "require" {$1 = ""; $0 = $0} $1 == m && $2 ~ /^v/ {print $2; exit}' "$1/go.mod"
 }
 
-K8S_VERSION=$(mod_version "$HERE" k8s.io/kubernetes)
+K8S_VERSION=$(mod_version "$K8S_MOD" k8s.io/kubernetes)
 CTRD_VERSION=$(mod_version "$HERE/containerd" github.com/containerd/containerd)
 K8S_DIR=$CACHE/k8s-$K8S_VERSION
 CTRD_DIR=$CACHE/containerd-$CTRD_VERSION
@@ -57,17 +67,18 @@ build_k8s() {
     ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
     ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
   done
-  local stamp; stamp=$(stamp_for "$HERE" "$ldflags")
+  local stamp; stamp=$(stamp_for "$K8S_MOD" "$ldflags")
   if fresh "$K8S_DIR" "$stamp"; then log "k8s $K8S_VERSION: cached in $K8S_DIR"; return; fi
   local tmp=$K8S_DIR.partial
   rm -rf "$K8S_DIR" "$tmp"; mkdir -p "$tmp/bin"
   log "k8s $K8S_VERSION: building (one go build so shared packages compile once)"
   local t0=$SECONDS
-  (cd "$HERE" && nice -n 10 go build -o "$tmp/bin/" -ldflags="$ldflags" \
+  (cd "$K8S_MOD" && nice -n 10 go build -o "$tmp/bin/" -ldflags="$ldflags" \
     k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kubectl go.etcd.io/etcd/server/v3 ./pause)
+    k8s.io/kubernetes/cmd/kubectl go.etcd.io/etcd/server/v3)
   mv "$tmp/bin/server" "$tmp/bin/etcd"  # go names a .../server/v3 main package "server"
+  (cd "$HERE/pause" && go build -o "$tmp/bin/pause" -ldflags="-s -w" .)
   log "k8s $K8S_VERSION: built in $((SECONDS - t0))s"
   local b
   for b in kubelet kube-apiserver kube-scheduler kube-controller-manager etcd; do
@@ -119,6 +130,8 @@ case ${1:-all} in
   k8s) build_k8s ;;
   containerd) build_containerd ;;
   all) install_deps; build_containerd; build_k8s ;;
-  paths) printf 'K8S_BIN=%s\nCONTAINERD_BIN=%s\n' "$K8S_DIR/bin" "$CTRD_DIR/bin" ;;
-  *) echo "usage: $0 [deps|k8s|containerd|all|paths]" >&2; exit 2 ;;
+  paths) printf 'K8S_BIN=%s\nCONTAINERD_BIN=%s\nK8S_RELEASE=%s\nK8S_VERSION=%s\n' \
+    "$K8S_DIR/bin" "$CTRD_DIR/bin" "$RELEASE" "$K8S_VERSION" ;;
+  releases) echo "$RELEASES" ;;
+  *) echo "usage: $0 [deps|k8s|containerd|all|paths|releases]" >&2; exit 2 ;;
 esac

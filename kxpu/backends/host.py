@@ -33,6 +33,7 @@ from kxpu.backends.registry import BackendConfig
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 from kxpu.model import BackendError, Device
+from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.backends.host")
 
@@ -188,8 +189,7 @@ async def host_changes(
                     last = devices
                     yield devices
             wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), poll_seconds)
+            await wait_event(wake, poll_seconds)
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):

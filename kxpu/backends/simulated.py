@@ -28,6 +28,14 @@ _UUID_NAMESPACE = uuid.UUID("6f1c3a52-8f53-4d1e-9a43-2f7c5b0e9d10")
 _STATES = {"Healthy", "Unhealthy", "Absent"}
 
 
+class SimulatedDevice(BackendConfig):
+    """What one device has that differs from the rest (a node with mixed models, for demos and tests)."""
+
+    model: str | None = None
+    memory_mib: int | None = Field(default=None, ge=1, alias="memoryMiB")
+    cores: int | None = Field(default=None, ge=1)
+
+
 class SimulatedConfig(BackendConfig):
     count: int = Field(ge=1, le=4096)
     model: str = "sim"
@@ -37,6 +45,8 @@ class SimulatedConfig(BackendConfig):
     state_file: Path | None = None
     env: EnvTemplates = Field(default_factory=lambda: {"KXPU_VISIBLE_DEVICES": "{ids}"})
     mounts: list[MountConfig] = Field(default_factory=list)
+    # Per device index: a different model, memory or core count (IDs stay <model>-<index>).
+    devices: dict[int, SimulatedDevice] = Field(default_factory=dict)
 
     @field_validator("model")
     @classmethod
@@ -50,6 +60,9 @@ class SimulatedConfig(BackendConfig):
             raise ValueError(f"numaNodes has {len(self.numa_nodes)} entries for {self.count} devices")
         if self.numa_nodes is not None and any(n < 0 for n in self.numa_nodes):
             raise ValueError("numaNodes entries must be >= 0")
+        outside = sorted(i for i in self.devices if not 0 <= i < self.count)
+        if outside:
+            raise ValueError(f"devices: indexes {outside} are outside 0..{self.count - 1}")
         return self
 
 
@@ -63,13 +76,14 @@ class SimulatedBackend(Backend):
     def _make(self, index: int) -> Device:
         cfg = self.config
         device_id = f"{cfg.model}-{index}"
+        own = cfg.devices.get(index, SimulatedDevice())
         return Device(
             id=device_id,
-            model=cfg.model,
+            model=own.model or cfg.model,
             uuid=f"SIM-{uuid.uuid5(_UUID_NAMESPACE, device_id)}",
             index=index,
-            memory_mib=cfg.memory_mib,
-            cores=cfg.cores,
+            memory_mib=own.memory_mib or cfg.memory_mib,
+            cores=own.cores or cfg.cores,
             numa_nodes=(cfg.numa_nodes[index],) if cfg.numa_nodes else (),
         )
 

@@ -14,7 +14,7 @@ from kxpu.daemon import metrics
 from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.http import HealthServer
 from kxpu.daemon.registration import file_identity
-from kxpu.daemon.resource import BackendFactory, Phase, ResourceRunner, check_socket_paths
+from kxpu.daemon.resource import BackendFactory, DraFactory, Phase, ResourceRunner, check_socket_paths
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
@@ -39,8 +39,10 @@ class Daemon:
         reload_config: Callable[[], Config],
         build: BackendFactory,
         http_address: str | None = None,
+        dra: DraFactory | None = None,
     ) -> None:
         self.config = config
+        self._dra = dra
         self.http_address = http_address
         self._reload_config = reload_config
         self._build = build
@@ -94,17 +96,18 @@ class Daemon:
         self._stop.set()
 
     def _start(self, resource: ResourceConfig) -> None:
-        runner = ResourceRunner(resource, self.config.device_plugin_dir, self._build)
+        runner = ResourceRunner(resource, self.config.device_plugin_dir, self._build, self._dra)
         task = asyncio.create_task(runner.run(), name=f"resource {resource.name}")
         self._running[resource.name] = _Running(runner, task)
 
-    async def _stop_all(self, names: list[str]) -> None:
+    async def _stop_all(self, names: list[str]) -> dict[str, ResourceRunner]:
         stopping = [self._running.pop(name) for name in names if name in self._running]
         for running in stopping:
             running.task.cancel()
         for running in stopping:
             with contextlib.suppress(asyncio.CancelledError):
                 await running.task
+        return {running.runner.config.name: running.runner for running in stopping}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready = every resource discovered its devices and is registered with the kubelet."""
@@ -207,7 +210,12 @@ class Daemon:
             removed = [name for name in current if name not in wanted]
             changed = [name for name in current if name in wanted and wanted[name] != current[name]]
             added = [name for name in wanted if name not in current]
-            await self._stop_all(removed + changed)
+            stopped = await self._stop_all(removed + changed)
+            for name, runner in stopped.items():
+                # No longer served through DRA here: take its ResourceSlices away so the scheduler stops
+                # allocating its devices (a restart or a config change that keeps DRA keeps them).
+                if runner.config.serve == "dra" and (name not in wanted or wanted[name].serve != "dra"):
+                    await runner.withdraw()
             for name in changed + added:
                 self._start(wanted[name])
             kept = len(current) - len(removed) - len(changed)

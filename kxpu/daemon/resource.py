@@ -15,6 +15,7 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 
@@ -27,10 +28,31 @@ from kxpu.daemon.servicer import DevicePluginServicer, DeviceSnapshot
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.logs import get_logger
 from kxpu.model import Backend, Closable, Device, Watcher
+from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.daemon.resource")
 
 BackendFactory = Callable[[ResourceConfig], Backend]
+
+
+class DraServer(Protocol):
+    """A resource's DRA half (``kxpu.dra.plugin.DraPlugin``), serving the snapshot this runner keeps."""
+
+    @property
+    def phase(self) -> str: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def run(self) -> None: ...
+
+    def poke(self) -> None: ...
+
+    async def withdraw(self) -> None: ...
+
+
+# (resource, backend, snapshot) → its DRA server; the CLI wires the Kubernetes client and directories in.
+DraFactory = Callable[[ResourceConfig, Backend, DeviceSnapshot], DraServer]
 
 
 class Phase(enum.StrEnum):
@@ -77,22 +99,43 @@ def check_socket_paths(plugin_dir: Path, resources: list[str]) -> None:
 
 
 class ResourceRunner:
-    def __init__(self, config: ResourceConfig, plugin_dir: Path, build: BackendFactory) -> None:
+    def __init__(
+        self, config: ResourceConfig, plugin_dir: Path, build: BackendFactory, dra: DraFactory | None = None
+    ) -> None:
         self.config = config
         self.plugin_dir = plugin_dir
         self.build = build
+        self.dra_factory = dra
+        self.dra: DraServer | None = None  # while serving through DRA
+        self._last_dra: DraServer | None = None  # for withdraw() after the runner stopped
         self.socket_path = plugin_dir / socket_name(config.name)
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET
-        self.phase = Phase.STARTING
+        self._phase = Phase.STARTING
         self.registrations = 0
         self.snapshot = DeviceSnapshot()
         self._poked = asyncio.Event()
         self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
         self.log = log.bind(resource=config.name)
 
+    @property
+    def phase(self) -> Phase:
+        """The device-plugin side's phase, or the DRA server's while one serves this resource (registered
+        only once the kubelet accepted it and the current devices are published)."""
+        if self.dra is not None and self._phase not in (Phase.FAILED, Phase.STOPPED):
+            if self.dra.ready:
+                return Phase.REGISTERED
+            return Phase(self.dra.phase) if self.dra.phase != Phase.REGISTERED else Phase.STARTING
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: Phase) -> None:
+        self._phase = value
+
     def poke(self) -> None:
         """Something in the device-plugin directory changed: re-check socket and registration."""
         self._poked.set()
+        if self.dra is not None:
+            self.dra.poke()
 
     async def run(self) -> None:
         """Run until cancelled; a failure is logged and retried, never propagated to other resources."""
@@ -125,6 +168,9 @@ class ResourceRunner:
         try:
             self.snapshot = DeviceSnapshot()
             await self._update(await asyncio.to_thread(backend.discover))
+            if self.config.serve == "dra":
+                await self._run_dra(backend)
+                return
             servicer = DevicePluginServicer(self.config.name, backend, self.snapshot)
             self.log.info(
                 "backend ready",
@@ -140,6 +186,28 @@ class ResourceRunner:
         finally:
             if isinstance(backend, Closable):
                 await asyncio.to_thread(backend.close)
+
+    async def _run_dra(self, backend: Backend) -> None:
+        if self.dra_factory is None:
+            raise RuntimeError(
+                f"{self.config.name} is served through DRA, but this daemon was started without DRA"
+            )
+        self.dra = self._last_dra = self.dra_factory(self.config, backend, self.snapshot)
+        self.log.info(
+            "backend ready", backend=self.config.backend, devices=len(self.snapshot.devices), serve="dra"
+        )
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                if isinstance(backend, Watcher):
+                    tasks.create_task(self._follow(backend))
+                tasks.create_task(self.dra.run())
+        finally:
+            self.dra = None
+
+    async def withdraw(self) -> None:
+        """Called after the runner stopped because its resource left the config."""
+        if self._last_dra is not None:
+            await self._last_dra.withdraw()
 
     async def _build_backend(self) -> Backend:
         """Build in a worker thread; if we are cancelled meanwhile (stop, reload), the thread still
@@ -261,8 +329,7 @@ class ResourceRunner:
         return server, identity
 
     async def _wait_poke(self, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._poked.wait(), timeout)
+        await wait_event(self._poked, timeout)
 
 
 def _close_built(building: asyncio.Future[Backend]) -> None:

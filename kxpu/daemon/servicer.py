@@ -34,29 +34,40 @@ log = get_logger("kxpu.daemon.servicer")
 
 
 class DeviceSnapshot:
-    """The latest device list and a version that moves only when the kubelet would see a difference."""
+    """The latest device list, with two counters: ``version`` moves only when the device plugin's kubelet
+    would see a difference (ID, health, NUMA), ``revision`` on any change at all (a DRA ResourceSlice
+    also publishes memory, model and vendor attributes)."""
 
     def __init__(self) -> None:
         self.devices: dict[str, Device] = {}
         self.version = 0
+        self.revision = 0
         self._key: WireKey = ()
         self._changed = asyncio.Condition()
 
     async def update(self, devices: Sequence[Device]) -> bool:
+        """Replace the list; True if the kubelet's view (``version``) changed."""
         by_id = index_by_id(list(devices))
         key = wire_key(by_id.values())
         async with self._changed:
-            self.devices = by_id  # attributes may change without the kubelet caring; keep them fresh
-            if key == self._key:
+            if by_id == self.devices and self.revision:
                 return False
-            self._key = key
-            self.version += 1
+            self.devices = by_id
+            self.revision += 1
+            wire_changed = key != self._key
+            if wire_changed:
+                self._key = key
+                self.version += 1
             self._changed.notify_all()
-            return True
+            return wire_changed
 
     async def wait_newer_than(self, version: int) -> None:
         async with self._changed:
             await self._changed.wait_for(lambda: self.version > version)
+
+    async def wait_revision_newer_than(self, revision: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.revision > revision)
 
 
 class Refused(Exception):

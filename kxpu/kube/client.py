@@ -13,6 +13,8 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event
 
 FIELD_MANAGER = "kxpu"
+# Kinds kxpu posts events about that live in a namespace (the rest, such as Node, are cluster-scoped).
+NAMESPACED_EVENT_KINDS = frozenset({"Pod", "ResourceClaim"})
 
 
 def make_client() -> AsyncClient:
@@ -51,13 +53,20 @@ async def post_event(
     message: str,
     component: str,
     warning: bool = True,
+    api_version: str = "v1",
 ) -> None:
+    """An Event about an object: ``namespace`` is where the event lives (and the object's own namespace for
+    namespaced kinds); cluster-scoped objects such as Nodes get theirs in ``default``."""
     now = datetime.now(UTC)
     await client.create(
         Event(
             metadata=ObjectMeta(generateName=f"{name}.", namespace=namespace),
             involvedObject=ObjectReference(
-                apiVersion="v1", kind=kind, name=name, namespace=namespace if kind == "Pod" else None, uid=uid
+                apiVersion=api_version,
+                kind=kind,
+                name=name,
+                namespace=namespace if kind in NAMESPACED_EVENT_KINDS else None,
+                uid=uid,
             ),
             reason=reason,
             message=message[:1024],

@@ -45,6 +45,7 @@ from kxpu.sharing import inventory, signing
 from kxpu.sharing.config import SharingConfig
 from kxpu.sharing.lock import NodeLock
 from kxpu.sharing.model import Assignment, ContainerAssignment, NodeInventory, SharedDevice
+from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.sharing.node")
 
@@ -185,8 +186,7 @@ class SharingBackend(Backend):
     async def _publish_loop(self, changed: asyncio.Event) -> None:
         delay = 0.5
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), self.config.publish_interval_seconds)
+            await wait_event(changed, self.config.publish_interval_seconds)
             changed.clear()
             inv = self.inventory()
             try:

@@ -1,0 +1,163 @@
+"""Prepared claims on disk, so that a restarted driver neither loses nor duplicates them.
+
+The kubelet may ask to prepare a claim again (it restarted, or its call timed out) and asks to
+unprepare claims prepared by an earlier process of this driver, whose memory is gone; both must
+work from what is on disk. One JSON file per driver, replaced atomically after every change::
+
+    {"version": "v1", "driver": "npu.example.com",
+     "claims": {"<claim UID>": {"namespace": "ns", "name": "c", "cdiSpec": "/var/run/cdi/….json",
+                                "devices": [{"requests": ["npu"], "pool": "node-1", "device": "sim-0",
+                                             "id": "sim-0", "cdiDeviceIDs": ["npu.example.com/claim=…"]}]}}}
+
+A file that cannot be read or parsed is moved aside (``.corrupt``) with an error naming it, and the
+driver starts with no prepared claims rather than not at all; the CDI specs already written stay in
+place for the containers using them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kxpu.atomicfile import write_atomically
+from kxpu.logs import get_logger
+
+log = get_logger("kxpu.dra.checkpoint")
+
+VERSION = "v1"
+
+
+class CheckpointError(Exception):
+    """The checkpoint could not be written; the claim is not prepared (the kubelet retries)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    requests: tuple[str, ...]
+    pool: str
+    device: str  # DRA device name
+    id: str  # kxpu device ID
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedClaim:
+    namespace: str
+    name: str
+    cdi_spec: str | None
+    devices: tuple[PreparedDevice, ...] = field(default_factory=tuple)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def _claim_to_json(claim: PreparedClaim) -> dict[str, Any]:
+    return {
+        "namespace": claim.namespace,
+        "name": claim.name,
+        "cdiSpec": claim.cdi_spec,
+        "devices": [
+            {
+                "requests": list(d.requests),
+                "pool": d.pool,
+                "device": d.device,
+                "id": d.id,
+                "cdiDeviceIDs": list(d.cdi_device_ids),
+                **({"shareID": d.share_id} if d.share_id else {}),
+            }
+            for d in claim.devices
+        ],
+    }
+
+
+def _claim_from_json(raw: Mapping[str, Any]) -> PreparedClaim:
+    return PreparedClaim(
+        namespace=str(raw["namespace"]),
+        name=str(raw["name"]),
+        cdi_spec=raw.get("cdiSpec"),
+        devices=tuple(
+            PreparedDevice(
+                requests=tuple(str(r) for r in d["requests"]),
+                pool=str(d["pool"]),
+                device=str(d["device"]),
+                id=str(d["id"]),
+                cdi_device_ids=tuple(str(c) for c in d["cdiDeviceIDs"]),
+                share_id=d.get("shareID"),
+            )
+            for d in raw["devices"]
+        ),
+    )
+
+
+class Checkpoint:
+    """The prepared claims of one driver (claim UID → PreparedClaim), mirrored to ``path``."""
+
+    def __init__(self, path: Path, driver: str) -> None:
+        self.path = path
+        self.driver = driver
+        self.claims: dict[str, PreparedClaim] = {}
+        self.set_aside = False  # the file on disk was unusable at load and moved away
+
+    def load(self) -> None:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._move_aside(f"unreadable: {exc.strerror or exc}")
+            return
+        try:
+            raw = json.loads(text)
+            if raw.get("version") != VERSION or raw.get("driver") != self.driver:
+                raise ValueError(f"version {raw.get('version')!r}, driver {raw.get('driver')!r}")
+            self.claims = {str(uid): _claim_from_json(c) for uid, c in raw["claims"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._move_aside(f"not a kxpu {VERSION} checkpoint of {self.driver}: {type(exc).__name__}: {exc}")
+
+    def _move_aside(self, why: str) -> None:
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        try:
+            os.replace(self.path, aside)
+        except OSError:
+            aside = self.path
+        self.set_aside = True
+        log.error(
+            "DRA checkpoint unusable; starting with no prepared claims (CDI specs already written stay)",
+            path=str(self.path),
+            moved_to=str(aside),
+            reason=why,
+        )
+        self.claims = {}
+
+    def save(self) -> None:
+        doc = {
+            "version": VERSION,
+            "driver": self.driver,
+            "claims": {uid: _claim_to_json(c) for uid, c in sorted(self.claims.items())},
+        }
+        try:
+            write_atomically(self.path, json.dumps(doc, indent=1) + "\n", mode=0o600)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write the DRA checkpoint {self.path}: {exc.strerror or exc}"
+            ) from None
+
+    def holder_of(self, device: str, share_id: str | None = None) -> tuple[str, PreparedClaim] | None:
+        """The claim (UID, claim) that has ``device`` prepared, if any (the same share only, for shares)."""
+        for uid, claim in self.claims.items():
+            for prepared in claim.devices:
+                if prepared.device == device and (share_id is None or prepared.share_id == share_id):
+                    return uid, claim
+        return None
+
+
+def as_dict(claim: PreparedClaim) -> dict[str, Any]:
+    """For logs and ``kxpu status``."""
+    return asdict(claim)

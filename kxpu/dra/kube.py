@@ -1,0 +1,92 @@
+"""The DRA driver's API calls, through kxpu's one Kubernetes client (``kxpu.kube``): its node's UID, its
+ResourceSlices, the claims it prepares and the events it posts on them.
+
+Objects cross this boundary as plain dicts (the JSON the API serves), so everything above it
+(``slices``, ``publisher``, ``claims``, ``prepare``) is pure and tested without lightkube.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+from lightkube import ApiError, AsyncClient
+from lightkube.resources.core_v1 import Node
+from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
+
+from kxpu.dra.prepare import ClaimRef
+from kxpu.kube.client import is_status, make_client, post_event
+from kxpu.logs import get_logger
+
+log = get_logger("kxpu.dra.kube")
+
+COMPONENT = "kxpu-dra"
+REQUEST_TIMEOUT_S = 10.0
+
+
+class DraKube:
+    """One per driver; the lightkube client is made on first use, on the running event loop."""
+
+    def __init__(self, driver: str, client: AsyncClient | None = None) -> None:
+        self.driver = driver
+        self._client = client
+
+    @property
+    def client(self) -> AsyncClient:
+        if self._client is None:
+            self._client = make_client()
+        return self._client
+
+    # -- SliceApi ---------------------------------------------------------------------------------------
+    async def node_uid(self, node: str) -> str:
+        obj = await self.client.get(Node, node)
+        if obj.metadata is None or not obj.metadata.uid:
+            raise RuntimeError(f"node {node} has no UID")
+        return str(obj.metadata.uid)
+
+    async def list_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
+        fields: dict[str, Any] = {"spec.driver": driver, "spec.nodeName": node}
+        return [obj.to_dict() async for obj in self.client.list(ResourceSlice, fields=fields)]
+
+    async def create_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        created = await self.client.create(cast(ResourceSlice, ResourceSlice.from_dict(body)))
+        return dict(created.to_dict())
+
+    async def replace_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        replaced = await self.client.replace(cast(ResourceSlice, ResourceSlice.from_dict(body)))
+        return dict(replaced.to_dict())
+
+    async def delete_slice(self, name: str) -> None:
+        try:
+            await self.client.delete(ResourceSlice, name)
+        except ApiError as exc:
+            if not is_status(exc, 404):
+                raise
+
+    # -- ClaimSource ------------------------------------------------------------------------------------
+    async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        try:
+            claim = await self.client.get(ResourceClaim, name, namespace=namespace)
+        except ApiError as exc:
+            if is_status(exc, 404):
+                return None
+            raise
+        return dict(claim.to_dict())
+
+    async def claim_event(self, claim: ClaimRef, reason: str, message: str) -> None:
+        try:
+            await post_event(
+                self.client,
+                "ResourceClaim",
+                claim.namespace,
+                claim.name,
+                claim.uid,
+                reason,
+                message,
+                COMPONENT,
+                api_version="resource.k8s.io/v1",
+            )
+        except Exception as exc:  # an event is a courtesy; never fail the call for it
+            log.warning(
+                "cannot post an event on the claim", claim=claim.ref, error=f"{type(exc).__name__}: {exc}"
+            )

@@ -1,0 +1,291 @@
+"""One resource served as a DRA driver: its sockets, its registration, its ResourceSlices, its claims.
+
+The resource runner (``kxpu.daemon.resource``) builds the backend and keeps the device snapshot;
+this plugin is the DRA half that serves it, in place of the device-plugin server:
+
+- the DRA services (``service.py``) on ``<kubeletPluginsDir>/<driver>/dra.sock``, and plugin
+  registration on ``<pluginsRegistryDir>/<driver>-reg.sock``, each bound under a private name and
+  renamed into place (gRPC unlinks the path it bound when it stops: never someone else's socket);
+- level-triggered like the device-plugin side: an inotify watch on both directories (and a resync
+  every ``RESYNC_SECONDS``) re-serves a socket that was removed, and a live socket of another
+  process at our path (a rolling update's new pod) makes this one stand by;
+- ResourceSlices follow the snapshot (``publisher.py``), retried with backoff on API errors;
+- prepared claims survive restarts in ``<kubeletPluginsDir>/<driver>/checkpoint.json``.
+
+Ready means: registered with the kubelet (it called ``NotifyRegistrationStatus`` with success) and
+the current devices published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from kxpu.daemon.backoff import Backoff
+from kxpu.daemon.registration import FileIdentity, file_identity
+from kxpu.daemon.servicer import DeviceSnapshot
+from kxpu.dra.checkpoint import Checkpoint
+from kxpu.dra.prepare import ClaimSource, Preparer
+from kxpu.dra.publisher import SliceApi, SlicePublisher
+from kxpu.dra.service import RegistrationServicer, add_dra_services
+from kxpu.dra.slices import Unhealthy
+from kxpu.fswatch import directory_changes
+from kxpu.logs import get_logger
+from kxpu.model import Backend
+from kxpu.timeouts import wait_event, within
+
+log = get_logger("kxpu.dra.plugin")
+
+RESYNC_SECONDS = 30.0
+MAX_SOCKET_PATH = 107  # sockaddr_un holds 108 bytes including the NUL
+# gRPC messages: a NodePrepareResources call names at most a few hundred claims; nothing legitimate is near this.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+class DraPhase(enum.StrEnum):
+    STARTING = "starting"
+    WAITING_FOR_KUBELET = "waiting-for-kubelet"
+    REGISTERED = "registered"
+    STANDBY = "standby"
+
+
+def dra_socket(plugins_dir: Path, driver: str) -> Path:
+    return plugins_dir / driver / "dra.sock"
+
+
+def registration_socket(registry_dir: Path, driver: str) -> Path:
+    return registry_dir / f"{driver}-reg.sock"
+
+
+def check_dra_socket_paths(plugins_dir: Path, registry_dir: Path, driver: str) -> None:
+    """Refuse at load what bind() would refuse at serve time."""
+    for path in (dra_socket(plugins_dir, driver), registration_socket(registry_dir, driver)):
+        size = len(str(path).encode())
+        if size > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"socket path {path} for DRA driver {driver} is {size} bytes; unix sockets allow {MAX_SOCKET_PATH}: "
+                "use shorter kubeletPluginsDir/pluginsRegistryDir or dra.driverName"
+            )
+
+
+def _live_socket(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(str(path))
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return True
+
+
+class _Served:
+    """One gRPC server bound at one path, remembered by the path's identity."""
+
+    def __init__(self, path: Path, add_services: Callable[[grpc.aio.Server], None], what: str) -> None:
+        self.path = path
+        self.add_services = add_services
+        self.what = what
+        self.server: grpc.aio.Server | None = None
+        self.identity: FileIdentity | None = None
+
+    def intact(self) -> bool:
+        return self.server is not None and file_identity(self.path) == self.identity
+
+    def taken_by_another(self) -> bool:
+        current = file_identity(self.path)
+        return current is not None and current != self.identity and _live_socket(self.path)
+
+    async def serve(self) -> None:
+        await self.stop()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private = self.path.parent / f".kxpu-{os.getpid()}-{self.path.name}"
+        if len(str(private).encode()) > MAX_SOCKET_PATH:
+            private = self.path.parent / f".kxpu-{os.getpid()}.sock"
+        private.unlink(missing_ok=True)
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+        )
+        self.add_services(server)
+        server.add_insecure_port(f"unix://{private}")
+        await server.start()
+        try:
+            os.replace(private, self.path)
+        except OSError:
+            await server.stop(0)
+            raise
+        self.server, self.identity = server, file_identity(self.path)
+        log.info("serving", what=self.what, socket=str(self.path))
+
+    async def stop(self, grace: float | None = 0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+            self.server = None
+        if self.identity is not None and file_identity(self.path) == self.identity:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self.identity = None
+
+
+class DraPlugin:
+    def __init__(
+        self,
+        resource: str,
+        driver: str,
+        node: str,
+        backend: Backend,
+        snapshot: DeviceSnapshot,
+        plugins_dir: Path,
+        registry_dir: Path,
+        cdi_dir: Path,
+        slices: SliceApi,
+        claims: ClaimSource,
+        unhealthy: Unhealthy = "taint",
+    ) -> None:
+        self.resource = resource
+        self.driver = driver
+        self.node = node
+        self.snapshot = snapshot
+        self.plugin_dir = plugins_dir / driver
+        self.checkpoint = Checkpoint(self.plugin_dir / "checkpoint.json", driver)
+        self.preparer = Preparer(driver, node, backend, snapshot.devices, self.checkpoint, cdi_dir, claims)
+        self.publisher = SlicePublisher(slices, driver, node, unhealthy)
+        self.phase = DraPhase.STARTING
+        self.registered = False
+        self.registration_error = ""
+        self.published_revision = -1
+        self._poked = asyncio.Event()
+        self._registered_changed = asyncio.Event()
+        self.dra = _Served(
+            dra_socket(plugins_dir, driver),
+            lambda server: add_dra_services(server, self.preparer, snapshot, node),
+            "DRA services",
+        )
+        self.registration = _Served(
+            registration_socket(registry_dir, driver),
+            lambda server: reg_grpc.add_RegistrationServicer_to_server(
+                RegistrationServicer(driver, str(self.dra.path), self._on_registration), server
+            ),
+            "plugin registration",
+        )
+        self.log = log.bind(resource=resource, driver=driver)
+
+    @property
+    def ready(self) -> bool:
+        return self.registered and self.published_revision == self.snapshot.revision
+
+    def poke(self) -> None:
+        self._poked.set()
+
+    def _on_registration(self, registered: bool, error: str) -> None:
+        self.registered, self.registration_error = registered, error
+        if registered:
+            self.log.info("registered with the kubelet")
+        else:
+            self.log.error("the kubelet refused the registration", reason=error or "no reason given")
+        self._registered_changed.set()
+        self.poke()
+
+    async def run(self) -> None:
+        """Serve until cancelled; the sockets are removed on the way out, the slices and checkpoint kept
+        (a restarted daemon takes over without a gap in what the scheduler sees)."""
+        await asyncio.to_thread(self.checkpoint.load)
+        removed = await asyncio.to_thread(self.preparer.remove_orphan_specs)
+        if removed:
+            self.log.info(
+                "removed CDI specs of claims that were never checkpointed", files=[str(p) for p in removed]
+            )
+        self.log.info("DRA driver starting", node=self.node, prepared_claims=len(self.checkpoint.claims))
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._publish_loop())
+                tasks.create_task(self._watch_dirs())
+                tasks.create_task(self._serve_loop())
+        finally:
+            await self.registration.stop(0.5)
+            await self.dra.stop(0.5)
+            self.registered = False
+
+    async def _serve_loop(self) -> None:
+        backoff = Backoff(initial=0.1, maximum=10.0)
+        while True:
+            self._poked.clear()
+            try:
+                if self.registration.taken_by_another() or self.dra.taken_by_another():
+                    if self.phase is not DraPhase.STANDBY:
+                        self.log.warning("another process serves this DRA driver's sockets; standing by")
+                    self.phase, self.registered = DraPhase.STANDBY, False
+                    await self.registration.stop()
+                    await self.dra.stop()
+                elif not (self.dra.intact() and self.registration.intact()):
+                    for served in (self.dra, self.registration):
+                        if served.identity is not None and not served.intact():
+                            self.log.warning(
+                                "a DRA socket was removed; serving it again", socket=str(served.path)
+                            )
+                    if not self.dra.intact():  # the endpoint first: the kubelet dials it once it has our info
+                        await self.dra.serve()
+                    self.registered = False
+                    await self.registration.serve()
+                    self.phase = DraPhase.WAITING_FOR_KUBELET
+                elif self.registered:
+                    self.phase = DraPhase.REGISTERED
+                backoff.reset()
+            except OSError as exc:
+                delay = backoff.next_delay()
+                self.log.error("cannot serve the DRA sockets; retrying", error=str(exc), retry_in_s=delay)
+                await wait_event(self._poked, delay)
+                continue
+            await wait_event(self._poked, RESYNC_SECONDS)
+
+    async def _watch_dirs(self) -> None:
+        directories = [self.dra.path.parent, self.registration.path.parent]
+        backoff = Backoff(initial=1.0, maximum=30.0)
+        while True:
+            try:
+                async for _ in directory_changes(lambda: directories, lambda p: p.parent in directories):
+                    self.poke()
+            except Exception as exc:  # inotify limits: the resync still re-checks every RESYNC_SECONDS
+                delay = backoff.next_delay()
+                self.log.error("cannot watch the DRA directories", error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(delay)
+
+    async def _publish_loop(self) -> None:
+        backoff = Backoff(initial=0.2, maximum=30.0)
+        while True:
+            revision = self.snapshot.revision
+            self.preparer.update_devices(self.snapshot.devices)
+            try:
+                await self.publisher.publish(list(self.snapshot.devices.values()))
+                self.published_revision = revision
+                backoff.reset()
+            except Exception as exc:  # the API server's answer or the connection's failure: retried
+                delay = backoff.next_delay()
+                self.log.error(
+                    "publishing ResourceSlices failed; retrying",
+                    error=f"{type(exc).__name__}: {exc}",
+                    retry_in_s=round(delay, 2),
+                )
+                await within(self.snapshot.wait_revision_newer_than(revision), delay)
+                continue
+            await self.snapshot.wait_revision_newer_than(revision)
+
+    async def withdraw(self) -> None:
+        """The resource is no longer served as DRA on this node (removed from the config): remove its
+        slices so the scheduler stops allocating its devices. Prepared claims stay until unprepared."""
+        try:
+            await self.publisher.withdraw()
+        except Exception as exc:
+            self.log.error("could not withdraw ResourceSlices", error=f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,270 @@
+"""NodePrepareResources and NodeUnprepareResources for one kxpu DRA driver, apart from gRPC.
+
+Prepare: read the claim from the API server, keep only this driver's devices in this node's pool
+(``claims.allocation_for`` refuses anything else), look each device up in the backend's current
+snapshot (unknown or unhealthy → refused), refuse a device another claim already holds here (the
+driver is the last line of defence against a double allocation), ask the backend for the container
+edits of each request's devices, write one CDI spec file for the claim and record the claim in the
+checkpoint. Answered per claim: one claim's failure does not fail the others.
+
+Unprepare removes the claim's CDI spec and checkpoint entry; a claim that is not prepared is not an
+error (the kubelet repeats calls).
+
+Calls are serialized (one lock): the checkpoint is one file and the double-allocation check must see
+every earlier prepare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kxpu.atomicfile import write_atomically
+from kxpu.cdi.spec import build_spec, qualified_name, validate_spec
+from kxpu.dra.checkpoint import Checkpoint, CheckpointError, PreparedClaim, PreparedDevice
+from kxpu.dra.claims import AllocatedDevice, ClaimAllocation, ClaimError, allocation_for
+from kxpu.dra.names import claim_cdi_device, claim_cdi_kind, device_name, parent_request
+from kxpu.logs import get_logger
+from kxpu.model import AsyncAllocator, Backend, BackendError, ContainerEdits, Device
+
+log = get_logger("kxpu.dra.prepare")
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRef:
+    namespace: str
+    uid: str
+    name: str
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class ClaimSource(Protocol):
+    """Where claims are read and their events posted (the API server; a stand-in in unit tests)."""
+
+    async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """The claim as the API returns it, or None if it does not exist; raises on other API errors."""
+        ...
+
+    async def claim_event(self, claim: ClaimRef, reason: str, message: str) -> None:
+        """A Warning event on the claim (best effort: never raises)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str | None = None
+
+
+class Preparer:
+    def __init__(
+        self,
+        driver: str,
+        pool: str,
+        backend: Backend,
+        devices: Mapping[str, Device] | None,
+        checkpoint: Checkpoint,
+        cdi_dir: Path,
+        claims: ClaimSource,
+    ) -> None:
+        self.driver = driver
+        self.pool = pool
+        self.backend = backend
+        self._by_name: dict[str, Device] = {}
+        self.update_devices(devices or {})
+        self.checkpoint = checkpoint
+        self.cdi_dir = cdi_dir
+        self.claims = claims
+        self.cdi_kind = claim_cdi_kind(driver)
+        self._lock = asyncio.Lock()
+        self.log = log.bind(driver=driver)
+
+    def update_devices(self, devices: Mapping[str, Device]) -> None:
+        """The backend's latest snapshot (ID → device)."""
+        self._by_name = {device_name(d.id): d for d in devices.values()}
+
+    def spec_path(self, uid: str) -> Path:
+        return self.cdi_dir / f"kxpu-dra-{self.driver}-{uid}.json"
+
+    # -- prepare ----------------------------------------------------------------------------------------
+    async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, Prepared]:
+        async with self._lock:
+            results: dict[str, Prepared] = {}
+            for ref in refs:
+                try:
+                    results[ref.uid] = Prepared(devices=await self._prepare_one(ref))
+                except (ClaimError, BackendError, CheckpointError, OSError) as exc:
+                    message = str(exc) if not isinstance(exc, OSError) else f"{ref.ref}: {exc}"
+                    self.log.warning("claim not prepared", claim=ref.ref, uid=ref.uid, reason=message)
+                    results[ref.uid] = Prepared(error=message)
+                    await self.claims.claim_event(ref, "KxpuPrepareFailed", message)
+            return results
+
+    async def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+        known = self.checkpoint.claims.get(ref.uid)
+        if known is not None and _spec_present(known):
+            return known.devices  # the kubelet asks again after a restart or a timeout: same answer
+        claim = await self.claims.get_claim(ref.namespace, ref.name)
+        if claim is None:
+            raise ClaimError(f"ResourceClaim {ref.ref} does not exist (deleted while the pod was starting?)")
+        allocation = allocation_for(claim, ref.uid, self.driver, self.pool)
+        chosen = self._lookup(allocation)
+        by_request: dict[str, list[tuple[AllocatedDevice, Device]]] = {}
+        for allocated, device in chosen:
+            by_request.setdefault(parent_request(allocated.request), []).append((allocated, device))
+        entries: list[tuple[str, ContainerEdits]] = []
+        prepared: list[PreparedDevice] = []
+        for request, members in by_request.items():
+            edits = await self._edits(allocation, request, [device for _, device in members])
+            cdi_name = claim_cdi_device(ref.uid, request)
+            has_edits = any((edits.env, edits.device_nodes, edits.mounts))
+            if has_edits:
+                entries.append((cdi_name, edits))
+            for n, (allocated, device) in enumerate(members):
+                # The request's edits once (on its first device): the kubelet gives a container the CDI IDs of
+                # every device of the requests it uses, and the same CDI device twice would apply twice.
+                ids = (qualified_name(self.cdi_kind, cdi_name),) if has_edits and n == 0 else ()
+                prepared.append(
+                    PreparedDevice(
+                        requests=(request,),
+                        pool=allocated.pool,
+                        device=allocated.device,
+                        id=device.id,
+                        cdi_device_ids=ids,
+                        share_id=allocated.share_id,
+                    )
+                )
+        spec_path = await asyncio.to_thread(self._write_spec, ref.uid, entries) if entries else None
+        self.checkpoint.claims[ref.uid] = PreparedClaim(
+            ref.namespace, ref.name, str(spec_path) if spec_path else None, tuple(prepared)
+        )
+        try:
+            await asyncio.to_thread(self.checkpoint.save)
+        except CheckpointError:
+            del self.checkpoint.claims[ref.uid]
+            if spec_path is not None:
+                spec_path.unlink(missing_ok=True)
+            raise
+        self.log.info(
+            "claim prepared",
+            claim=ref.ref,
+            uid=ref.uid,
+            devices={d.device: d.id for d in prepared},
+            cdi=[c for d in prepared for c in d.cdi_device_ids],
+        )
+        return tuple(prepared)
+
+    def _lookup(self, allocation: ClaimAllocation) -> list[tuple[AllocatedDevice, Device]]:
+        chosen: list[tuple[AllocatedDevice, Device]] = []
+        for allocated in allocation.devices:
+            device = self._by_name.get(allocated.device)
+            if device is None:
+                raise ClaimError(
+                    f"ResourceClaim {allocation.ref}: device {allocated.device} is not one of driver {self.driver}'s "
+                    f"devices on this node (it may have been removed since the scheduler allocated it)"
+                )
+            if not device.healthy and not allocated.admin_access:
+                raise ClaimError(
+                    f"ResourceClaim {allocation.ref}: device {allocated.device} ({device.id}) is unhealthy "
+                    f"({device.health_reason or 'no reason given'}); the kubelet retries once it recovers"
+                )
+            holder = self.checkpoint.holder_of(allocated.device, allocated.share_id)
+            if holder is not None and holder[0] != allocation.uid and not allocated.admin_access:
+                raise ClaimError(
+                    f"ResourceClaim {allocation.ref}: device {allocated.device} is already prepared for ResourceClaim "
+                    f"{holder[1].ref} (UID {holder[0]}); refusing a second allocation of it"
+                )
+            chosen.append((allocated, device))
+        return chosen
+
+    async def _edits(
+        self, allocation: ClaimAllocation, request: str, devices: list[Device]
+    ) -> ContainerEdits:
+        if isinstance(self.backend, AsyncAllocator):
+            edits = await self.backend.allocate_async(devices)
+        else:
+            edits = self.backend.allocate(devices)
+        extra: dict[str, str] = {}
+        for allocated_request, config in allocation.configs.items():
+            if parent_request(allocated_request) == request:
+                extra.update(config.env)
+        clash = sorted(set(extra) & set(edits.env))
+        if clash:
+            raise ClaimError(
+                f"ResourceClaim {allocation.ref}: opaque config sets {', '.join(clash)}, which driver {self.driver} "
+                "sets itself for these devices"
+            )
+        edits.env.update(extra)
+        return edits
+
+    def _write_spec(self, uid: str, entries: list[tuple[str, ContainerEdits]]) -> Path:
+        spec = build_spec(self.cdi_kind, entries)
+        errors = validate_spec(spec)
+        if errors:
+            raise BackendError(f"the container edits make an invalid CDI spec: {'; '.join(errors)}")
+        path = self.spec_path(uid)
+        write_atomically(path, json.dumps(spec, indent=1) + "\n")
+        return path
+
+    # -- unprepare --------------------------------------------------------------------------------------
+    async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
+        async with self._lock:
+            results: dict[str, str | None] = {}
+            changed = False
+            for ref in refs:
+                known = self.checkpoint.claims.pop(ref.uid, None)
+                paths = {self.spec_path(ref.uid)}
+                if known is not None and known.cdi_spec:
+                    paths.add(Path(known.cdi_spec))
+                try:
+                    for path in paths:
+                        await asyncio.to_thread(path.unlink, True)
+                except OSError as exc:
+                    if known is not None:
+                        self.checkpoint.claims[ref.uid] = known
+                    results[ref.uid] = f"{ref.ref}: cannot remove its CDI spec: {exc.strerror or exc}"
+                    continue
+                changed = changed or known is not None
+                results[ref.uid] = None
+                if known is not None:
+                    self.log.info("claim unprepared", claim=ref.ref, uid=ref.uid)
+            if changed:
+                try:
+                    await asyncio.to_thread(self.checkpoint.save)
+                except CheckpointError as exc:
+                    for ref in refs:
+                        if results.get(ref.uid) is None:
+                            results[ref.uid] = str(exc)
+            return results
+
+    def remove_orphan_specs(self) -> list[Path]:
+        """CDI spec files of this driver whose claim is not in the checkpoint (a crash between writing the
+        spec and the checkpoint); called at start, before serving. Nothing is removed when the checkpoint
+        had to be set aside: those specs may serve running containers."""
+        if self.checkpoint.set_aside:
+            return []
+        prefix = f"kxpu-dra-{self.driver}-"
+        removed = []
+        try:
+            candidates = list(self.cdi_dir.glob(f"{prefix}*.json"))
+        except OSError:
+            return []
+        for path in candidates:
+            uid = path.name[len(prefix) : -len(".json")]
+            if uid not in self.checkpoint.claims:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        return removed
+
+
+def _spec_present(claim: PreparedClaim) -> bool:
+    """A prepared claim whose CDI spec is gone (removed by hand, a tmpfs cleared) is prepared again."""
+    return claim.cdi_spec is None or os.path.exists(claim.cdi_spec)

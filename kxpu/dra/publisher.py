@@ -1,0 +1,162 @@
+"""Keeping one node's ResourceSlices for one driver in step with the backend's devices.
+
+Level-triggered: each ``publish`` lists the driver's slices for this node and makes them equal to
+``slices.pool_content`` for the current devices — update in place, create what is missing, delete
+what is extra (and any slice owned by an older incarnation of the Node). The pool's generation
+moves only when the published devices change, and always past every generation seen, so consumers
+(the scheduler) never mistake a new pool for an old one. Slices are owned by the Node object, so the
+API server's garbage collector removes them with a deleted node, as the API expects.
+
+If the API server drops the device taints kxpu writes (a release or cluster without device taints),
+the publisher says so once and withdraws unhealthy devices instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from kxpu.dra.slices import PoolContent, Unhealthy, pool_content, same_devices
+from kxpu.logs import get_logger
+from kxpu.model import Device
+
+log = get_logger("kxpu.dra.publisher")
+
+_NAME_UNSAFE = re.compile(r"[^a-z0-9.-]+")
+MAX_NAME = 253
+
+
+class SliceApi(Protocol):
+    """The ResourceSlice calls the publisher makes (``kxpu.dra.kube.DraKube`` against the API server)."""
+
+    async def node_uid(self, node: str) -> str: ...
+
+    async def list_slices(self, driver: str, node: str) -> list[dict[str, Any]]: ...
+
+    async def create_slice(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def replace_slice(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def delete_slice(self, name: str) -> None: ...
+
+
+def slice_name(node: str, driver: str, index: int) -> str:
+    """``<node>-<driver>-<index>``: stable (updated in place), unique per node and driver, a DNS subdomain."""
+    raw = _NAME_UNSAFE.sub("-", f"{node}-{driver}".lower()).strip("-.")
+    suffix = f"-{index}"
+    if len(raw) + len(suffix) > MAX_NAME:
+        digest = hashlib.sha256(raw.encode()).hexdigest()[:10]
+        raw = raw[: MAX_NAME - len(suffix) - 11].rstrip("-.") + "-" + digest
+    return raw + suffix
+
+
+def _generation(obj: Mapping[str, Any]) -> int:
+    try:
+        return int(obj["spec"]["pool"]["generation"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("kind") == "Node" and r.get("uid") == uid for r in refs)
+
+
+def _taints_dropped(sent: Mapping[str, Any], got: Mapping[str, Any]) -> bool:
+    sent_taints = [d.get("taints") for d in sent.get("devices", [])]
+    got_taints = [d.get("taints") for d in (got.get("spec") or {}).get("devices", []) or []]
+    return any(sent_taints) and sent_taints != got_taints
+
+
+class SlicePublisher:
+    def __init__(self, api: SliceApi, driver: str, node: str, unhealthy: Unhealthy = "taint") -> None:
+        self.api = api
+        self.driver = driver
+        self.node = node
+        self.unhealthy: Unhealthy = unhealthy
+        self.generation = 0  # the highest this process published or saw
+        self.published: PoolContent | None = None
+        self._node_uid: str | None = None
+        self.log = log.bind(driver=driver, node=node)
+
+    async def publish(self, devices: Sequence[Device]) -> bool:
+        """Make the API match ``devices``; True if anything was written."""
+        if self._node_uid is None:
+            self._node_uid = await self.api.node_uid(self.node)
+        existing = sorted(
+            await self.api.list_slices(self.driver, self.node), key=lambda o: o["metadata"]["name"]
+        )
+        foreign = [o for o in existing if not _owned_by(o, self._node_uid)]
+        mine = [o for o in existing if _owned_by(o, self._node_uid)]
+        self.generation = max([self.generation, *(_generation(o) for o in existing)])
+        current = pool_content(self.driver, self.node, devices, self.generation, self.unhealthy)
+        specs = [o.get("spec") or {} for o in mine]
+        up_to_date = (
+            not foreign
+            and len(mine) == len(current.slices)
+            and same_devices(specs, current.slices)
+            and all(_generation(o) == self.generation for o in mine)
+            and all(s.get("pool", {}).get("resourceSliceCount") == len(mine) for s in specs)
+            and [o["metadata"]["name"] for o in mine]
+            == [slice_name(self.node, self.driver, i) for i in range(len(mine))]
+        )
+        if up_to_date:
+            self.published = current
+            return False
+        for obj in foreign:  # a previous Node object of the same name: its slices go with it
+            await self.api.delete_slice(obj["metadata"]["name"])
+        self.generation += 1
+        content = pool_content(self.driver, self.node, devices, self.generation, self.unhealthy)
+        by_name = {o["metadata"]["name"]: o for o in mine}
+        wanted = {slice_name(self.node, self.driver, i): spec for i, spec in enumerate(content.slices)}
+        for name, spec in wanted.items():
+            body = self._body(name, spec, by_name.get(name))
+            got = await (self.api.replace_slice(body) if name in by_name else self.api.create_slice(body))
+            if self.unhealthy == "taint" and _taints_dropped(spec, got):
+                self.log.warning(
+                    "the API server dropped device taints (DRADeviceTaints off or unsupported); unhealthy devices "
+                    "are withdrawn from the ResourceSlice instead"
+                )
+                self.unhealthy = "withdraw"
+                return await self.publish(devices) or True
+        for name in by_name.keys() - wanted.keys():
+            await self.api.delete_slice(name)
+        self.published = content
+        self.log.info(
+            "ResourceSlices published",
+            generation=self.generation,
+            slices=len(content.slices),
+            devices=sum(len(s["devices"]) for s in content.slices),
+        )
+        return True
+
+    def _body(self, name: str, spec: dict[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any]:
+        metadata: dict[str, Any] = {
+            "name": name,
+            "ownerReferences": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "name": self.node,
+                    "uid": self._node_uid,
+                    "controller": True,
+                }
+            ],
+        }
+        if old is not None:
+            metadata["resourceVersion"] = old["metadata"].get("resourceVersion")
+        return {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": metadata,
+            "spec": spec,
+        }
+
+    async def withdraw(self) -> None:
+        """Delete every slice of this driver on this node (the resource is no longer served here)."""
+        for obj in await self.api.list_slices(self.driver, self.node):
+            await self.api.delete_slice(obj["metadata"]["name"])
+        self.published = None
+        self.log.info("ResourceSlices withdrawn")

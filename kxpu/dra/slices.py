@@ -1,0 +1,176 @@
+"""ResourceSlice content from kxpu devices: pure functions, no API calls (``publisher.py`` writes them).
+
+One pool per node and driver, named after the node. Each kxpu ``Device`` becomes one DRA device
+with typed attributes the scheduler's CEL selectors read, and capacities:
+
+| attribute / capacity | from |
+|---|---|
+| ``id`` (string) | the kxpu device ID, as the device plugin would name it |
+| ``model``, ``uuid`` (string), ``index`` (int) | the backend's ``Device`` |
+| ``resource.kubernetes.io/numaNode`` (int), ``resource.kubernetes.io/pciBusID`` (string) | standard names |
+| each ``Device.extra`` key, camelCased (int, bool, string; a ``…Version`` that is semver → version) | vendor facts |
+| capacity ``memory`` (bytes, written in Mi), ``cores`` | ``memory_mib``, ``cores`` |
+
+An unhealthy device is either **tainted** (``kxpu.io/unhealthy``, effect ``NoSchedule``, the value
+its reason: the scheduler allocates it to no new claim, and it stays visible with the reason) or
+**withdrawn** from the slice (for API servers without device taints). A pool is split into slices
+of at most 128 devices, 64 when taints may be used (the API's limit for slices using them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kxpu.dra.names import device_name
+from kxpu.logs import get_logger
+from kxpu.model import Device
+
+log = get_logger("kxpu.dra.slices")
+
+MAX_DEVICES_PER_SLICE = 128
+MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64
+MAX_ATTRIBUTES_AND_CAPACITIES = 32
+MAX_STRING_VALUE = 64
+MAX_IDENTIFIER = 32
+UNHEALTHY_TAINT_KEY = "kxpu.io/unhealthy"
+INT64_MAX = 2**63 - 1
+
+Unhealthy = Literal["taint", "withdraw"]
+
+_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LABEL_VALUE_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+_SEMVER = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolContent:
+    """What one node's pool holds at one generation: the slice specs, in order."""
+
+    driver: str
+    node: str
+    generation: int
+    slices: tuple[dict[str, Any], ...]
+
+
+def camel(key: str) -> str:
+    """``compute_capability`` → ``computeCapability`` (the convention of DRA drivers' attributes)."""
+    head, *rest = key.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def as_version(text: str) -> str | None:
+    """A semantic version for the API's ``version`` type, if ``text`` is one once tidied:
+    ``580.159.04`` → ``580.159.4``, ``2.31`` → ``2.31.0``; else None (published as a string)."""
+    core, sep, rest = text.strip().partition("-")
+    parts = core.split(".")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    parts = [str(int(p)) for p in parts] + ["0"] * (3 - len(parts))
+    candidate = ".".join(parts) + (sep + rest if sep else "")
+    return candidate if _SEMVER.match(candidate) else None
+
+
+def attribute_value(key: str, value: str | int | bool) -> dict[str, Any] | None:
+    """The typed JSON of one attribute, or None when the API would refuse the value."""
+    if isinstance(value, bool):
+        return {"bool": value}
+    if isinstance(value, int):
+        return {"int": value} if -INT64_MAX - 1 <= value <= INT64_MAX else None
+    text = str(value)
+    if key.lower().endswith("version"):
+        version = as_version(text)
+        if version is not None and len(version) <= MAX_STRING_VALUE:
+            return {"version": version}
+    return {"string": text} if len(text) <= MAX_STRING_VALUE else None
+
+
+def device_attributes(device: Device) -> dict[str, dict[str, Any]]:
+    attrs: dict[str, dict[str, Any]] = {"id": {"string": device.id}}
+    if device.model:
+        attrs["model"] = {"string": device.model[:MAX_STRING_VALUE]}
+    if device.uuid:
+        attrs["uuid"] = {"string": device.uuid[:MAX_STRING_VALUE]}
+    if device.index is not None:
+        attrs["index"] = {"int": device.index}
+    if device.numa_nodes:
+        attrs["resource.kubernetes.io/numaNode"] = {"int": device.numa_nodes[0]}
+    if device.pci_bus_id:
+        attrs["resource.kubernetes.io/pciBusID"] = {"string": device.pci_bus_id}
+    for key in sorted(device.extra):
+        name = camel(key)
+        if name in attrs or not _C_IDENTIFIER.match(name) or len(name) > MAX_IDENTIFIER:
+            continue
+        value = attribute_value(name, device.extra[key])
+        if value is not None:
+            attrs[name] = value
+    return attrs
+
+
+def device_capacity(device: Device) -> dict[str, dict[str, str]]:
+    capacity: dict[str, dict[str, str]] = {}
+    if device.memory_mib is not None:
+        capacity["memory"] = {"value": f"{device.memory_mib}Mi"}
+    if device.cores is not None:
+        capacity["cores"] = {"value": str(device.cores)}
+    return capacity
+
+
+def taint_value(reason: str | None) -> str:
+    """A label value (at most 63 of letters, digits, ``-_.``, alphanumeric at both ends)."""
+    cleaned = _LABEL_VALUE_UNSAFE.sub("-", reason or "unknown")[:63].strip("-_.")
+    return cleaned or "unknown"
+
+
+def device_entry(device: Device, unhealthy: Unhealthy) -> dict[str, Any]:
+    capacity = device_capacity(device)
+    attrs = device_attributes(device)
+    room = MAX_ATTRIBUTES_AND_CAPACITIES - len(capacity)
+    if len(attrs) > room:
+        dropped = list(attrs)[room:]
+        log.warning(
+            "device has more facts than a ResourceSlice holds; dropping some",
+            device=device.id,
+            dropped=dropped,
+        )
+        attrs = dict(list(attrs.items())[:room])
+    entry: dict[str, Any] = {"name": device_name(device.id), "attributes": attrs}
+    if capacity:
+        entry["capacity"] = capacity
+    if not device.healthy and unhealthy == "taint":
+        entry["taints"] = [
+            {"key": UNHEALTHY_TAINT_KEY, "value": taint_value(device.health_reason), "effect": "NoSchedule"}
+        ]
+    return entry
+
+
+def pool_content(
+    driver: str, node: str, devices: Sequence[Device], generation: int, unhealthy: Unhealthy
+) -> PoolContent:
+    """The pool's slices at ``generation``: devices in the backend's order (the allocator's first-fit
+    order), withdrawn ones left out. A pool with no device still has one empty slice, so consumers see
+    the pool (and that it is empty) rather than nothing."""
+    entries = [device_entry(d, unhealthy) for d in devices if d.healthy or unhealthy == "taint"]
+    size = MAX_DEVICES_PER_SLICE_WITH_TAINTS if unhealthy == "taint" else MAX_DEVICES_PER_SLICE
+    chunks = [entries[i : i + size] for i in range(0, len(entries), size)] or [[]]
+    slices = tuple(
+        {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": node, "generation": generation, "resourceSliceCount": len(chunks)},
+            "devices": chunk,
+        }
+        for chunk in chunks
+    )
+    return PoolContent(driver, node, generation, slices)
+
+
+def same_devices(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether two slice spec lists publish the same devices (ignoring the pool's generation)."""
+    return [s.get("devices") for s in a] == [s.get("devices") for s in b]

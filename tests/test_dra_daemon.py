@@ -1,0 +1,236 @@
+"""The node daemon serving a resource through DRA, over real unix sockets, to a stand-in of the kubelet's DRA
+side (plugin registration, DRAPlugin v1 and v1beta1, resource health), with an in-memory API server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kxpu.cli import _build
+from kxpu.config import Config, ResourceConfig, parse_config
+from kxpu.daemon import Daemon, Phase
+from kxpu.daemon.servicer import DeviceSnapshot
+from kxpu.dra.plugin import DraPlugin
+from kxpu.model import Backend
+from kxpu.testing.dra import DraKubeletStandIn, FakeDraApi
+
+NPU = "example.com/npu"
+DRIVER = "npu.example.com"
+NODE = "node-a"
+
+
+class Rig:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.registry = root / "registry"
+        self.plugins = root / "plugins"
+        self.cdi = root / "cdi"
+        self.state = root / "state.json"
+        self.api = FakeDraApi({NODE: "uid-a"})
+        self.kubelet = DraKubeletStandIn(self.registry)
+        self.daemon: Daemon | None = None
+        self.task: asyncio.Task[int] | None = None
+
+    def config(self, **resource: Any) -> Config:
+        entry = {
+            "name": NPU,
+            "simulated": {"count": 4, "model": "sim", "memoryMiB": 16384, "stateFile": str(self.state)},
+            "serve": "dra",
+            "dra": {"nodeName": NODE, "cdiSpecDir": str(self.cdi)},
+            **resource,
+        }
+        return parse_config(
+            {
+                "version": "v1",
+                "devicePluginDir": str(self.root / "dp"),
+                "kubeletPluginsDir": str(self.plugins),
+                "pluginsRegistryDir": str(self.registry),
+                "resources": [entry],
+            }
+        )
+
+    def factory(self, resource: ResourceConfig, backend: Backend, snapshot: DeviceSnapshot) -> DraPlugin:
+        return DraPlugin(
+            resource.name,
+            resource.dra_driver,
+            resource.dra.node_name or NODE,
+            backend,
+            snapshot,
+            self.plugins,
+            self.registry,
+            resource.dra.cdi_spec_dir,
+            self.api,
+            self.api,
+            resource.dra.unhealthy,
+        )
+
+    async def start(self, config: Config | None = None, reload: Callable[[], Config] | None = None) -> Daemon:
+        config = config or self.config()
+        self.daemon = Daemon(config, reload or (lambda: config), _build, dra=self.factory)
+        self.task = asyncio.create_task(self.daemon.run())
+        return self.daemon
+
+    async def stop(self) -> None:
+        if self.daemon is not None and self.task is not None:
+            self.daemon.stop()
+            await asyncio.wait_for(self.task, 10)
+            self.daemon = self.task = None
+
+    def pool(self) -> list[dict[str, Any]]:
+        return self.api.pool(DRIVER, NODE)
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    root = Path(tempfile.mkdtemp(prefix="kx-", dir="/tmp"))
+    rig = Rig(root)
+    await rig.kubelet.start()
+    yield rig
+    await rig.stop()
+    await rig.kubelet.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def result(device: str, request: str = "npu") -> dict[str, Any]:
+    return {"request": request, "driver": DRIVER, "pool": NODE, "device": device}
+
+
+async def test_registers_publishes_prepares_and_reports_health(rig: Rig) -> None:
+    daemon = await rig.start()
+    driver = await rig.kubelet.wait_registered(DRIVER)
+    assert driver.service == "v1.DRAPlugin"
+    assert driver.endpoint == str(rig.plugins / DRIVER / "dra.sock")
+    await eventually(lambda: len(rig.pool()) == 4)
+    assert rig.pool()[0]["attributes"]["model"] == {"string": "sim"}
+    assert rig.pool()[0]["capacity"] == {"memory": {"value": "16384Mi"}}
+    await eventually(lambda: daemon.readiness()[0])
+
+    claim = rig.api.add_claim("c", [result("sim-1"), result("sim-2")])
+    answer = (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid]
+    assert answer.error == ""
+    assert [d.device_name for d in answer.devices] == ["sim-1", "sim-2"]
+    assert list(answer.devices[0].cdi_device_ids) == [f"{DRIVER}/claim={claim.uid}-npu"]
+    spec = json.loads((rig.cdi / f"kxpu-dra-{DRIVER}-{claim.uid}.json").read_text())
+    assert spec["devices"][0]["containerEdits"]["env"] == ["KXPU_VISIBLE_DEVICES=sim-1,sim-2"]
+
+    # Health: a flip reaches the kubelet's health stream and taints the device in the pool.
+    report = await rig.kubelet.wait_health(DRIVER, lambda r: len(r.devices) == 4)
+    assert all(d.health == 1 for d in report.devices)
+    rig.state.write_text(json.dumps({"sim-2": "Unhealthy"}))
+    report = await rig.kubelet.wait_health(
+        DRIVER, lambda r: any(d.device.device_name == "sim-2" and d.health == 2 for d in r.devices)
+    )
+    await eventually(lambda: any(d.get("taints") for d in rig.pool()))
+    tainted = [d for d in rig.pool() if d.get("taints")]
+    assert [(d["name"], d["taints"][0]["value"]) for d in tainted] == [("sim-2", "state-file")]
+
+    assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
+    assert not list(rig.cdi.glob("*.json"))
+
+
+async def test_daemon_restart_keeps_prepared_claims_and_unprepare_still_works(rig: Rig) -> None:
+    await rig.start()
+    await rig.kubelet.wait_registered(DRIVER)
+    claim = rig.api.add_claim("c", [result("sim-0")])
+    first = (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid]
+    await rig.stop()
+    assert not (rig.plugins / DRIVER / "dra.sock").exists(), "sockets are removed on stop"
+    generation = max(s["spec"]["pool"]["generation"] for s in rig.api.slices.values())
+    writes = rig.api.writes
+    await rig.start()
+    await rig.kubelet.wait_registered(DRIVER, times=2)  # the new process's socket: registered anew
+    again = (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid]
+    assert again == first  # from the checkpoint: same devices, same CDI IDs
+    # The same devices are not republished: the scheduler's view does not churn over a restart.
+    await eventually(lambda: rig.daemon is not None and rig.daemon.readiness()[0])
+    assert rig.api.writes == writes
+    assert max(s["spec"]["pool"]["generation"] for s in rig.api.slices.values()) == generation
+    other = rig.api.add_claim("d", [result("sim-0")])
+    assert "already prepared" in (await rig.kubelet.prepare(DRIVER, other)).claims[other.uid].error
+    assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
+
+
+async def test_kubelet_restart_and_a_removed_socket_register_again(rig: Rig) -> None:
+    await rig.start()
+    await rig.kubelet.wait_registered(DRIVER)
+    started = asyncio.get_running_loop().time()
+    await rig.kubelet.restart()
+    await rig.kubelet.wait_registered(DRIVER, times=2, timeout=5)
+    assert asyncio.get_running_loop().time() - started < 1.0
+    (rig.registry / f"{DRIVER}-reg.sock").unlink()  # someone cleans the registry directory
+    await rig.kubelet.wait_registered(DRIVER, times=3, timeout=5)
+    assert (rig.registry / f"{DRIVER}-reg.sock").is_socket()
+    claim = rig.api.add_claim("c", [result("sim-3")])
+    assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+
+
+async def test_v1beta1_kubelets_are_served(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kxpu.testing.dra.KUBELET_SERVICES", ("v1beta1.DRAPlugin",))
+    await rig.start()
+    driver = await rig.kubelet.wait_registered(DRIVER)
+    assert driver.service == "v1beta1.DRAPlugin"
+    claim = rig.api.add_claim("c", [result("sim-0")])
+    answer = (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid]
+    assert answer.error == "" and answer.devices[0].device_name == "sim-0"
+
+
+async def test_api_errors_are_retried_and_readiness_waits_for_the_slices(rig: Rig) -> None:
+    rig.api.fail_next = ConnectionError("connection refused")
+    daemon = await rig.start()
+    await rig.kubelet.wait_registered(DRIVER)
+    await eventually(lambda: len(rig.pool()) == 4)
+    await eventually(lambda: daemon.readiness()[0])
+    assert daemon.readiness()[1]["resources"][NPU] == Phase.REGISTERED
+
+
+async def test_taints_fall_back_to_withdrawal_when_the_api_drops_them(rig: Rig) -> None:
+    rig.api.taints = False
+    rig.state.write_text(json.dumps({"sim-0": "Unhealthy"}))
+    await rig.start()
+    await eventually(lambda: [d["name"] for d in rig.pool()] == ["sim-1", "sim-2", "sim-3"])
+    rig.state.write_text("{}")
+    await eventually(lambda: len(rig.pool()) == 4)
+
+
+async def test_reload_that_drops_dra_withdraws_the_slices(rig: Rig) -> None:
+    current = [rig.config()]
+    await rig.start(current[0], reload=lambda: current[0])
+    await eventually(lambda: len(rig.pool()) == 4)
+    current[0] = rig.config(serve="devicePlugin", dra={"nodeName": NODE, "cdiSpecDir": str(rig.cdi)})
+    assert rig.daemon is not None
+    await rig.daemon.reload()
+    await eventually(lambda: not rig.api.slices)
+
+
+def test_config_rules_for_dra() -> None:
+    from kxpu.config import ConfigError
+
+    base = {"name": NPU, "simulated": {"count": 1}, "serve": "dra"}
+    with pytest.raises(ConfigError, match="cdi: applies to the device plugin"):
+        parse_config({"version": "v1", "resources": [{**base, "cdi": {"enabled": True}}]})
+    with pytest.raises(ConfigError, match="DRA driver names must be unique"):
+        parse_config(
+            {"version": "v1", "resources": [base, {**base, "name": "example.com/gpu", "dra": {"driverName": DRIVER}}]}
+        )
+    with pytest.raises(ConfigError, match=r"resources\[0\].dra.driverName: Value error|lowercase DNS subdomain"):
+        parse_config({"version": "v1", "resources": [{**base, "dra": {"driverName": "Bad_Name"}}]})
+    long_dir = "/" + "x" * 90
+    with pytest.raises(ConfigError, match="unix sockets allow 107"):
+        parse_config({"version": "v1", "pluginsRegistryDir": long_dir, "resources": [base]})
+    assert os.environ.get("KXPU_NEVER_SET") is None

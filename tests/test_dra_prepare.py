@@ -1,0 +1,196 @@
+"""NodePrepareResources / NodeUnprepareResources logic over a real backend, checkpoint and CDI files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+from kxpu.cdi.spec import validate_spec
+from kxpu.dra.checkpoint import Checkpoint
+from kxpu.dra.names import device_name
+from kxpu.dra.prepare import ClaimRef, Preparer
+from kxpu.model import Device, Health, index_by_id
+from kxpu.testing.dra import FakeDraApi
+
+DRIVER = "npu.example.com"
+NODE = "node-a"
+
+
+def result(device: str, request: str = "npu", pool: str = NODE, driver: str = DRIVER, **extra: Any) -> dict[str, Any]:
+    return {"request": request, "driver": driver, "pool": pool, "device": device, **extra}
+
+
+class Rig:
+    def __init__(self, root: Path, count: int = 4) -> None:
+        self.root = root
+        self.backend = SimulatedBackend(
+            SimulatedConfig(count=count, model="sim", env={"NPU_VISIBLE_DEVICES": "{ids}"})
+        )
+        self.devices = index_by_id(self.backend.discover())
+        self.api = FakeDraApi()
+        self.cdi = root / "cdi"
+        self.preparer = self.make()
+
+    def make(self) -> Preparer:
+        checkpoint = Checkpoint(self.root / "plugins" / DRIVER / "checkpoint.json", DRIVER)
+        checkpoint.load()
+        return Preparer(DRIVER, NODE, self.backend, self.devices, checkpoint, self.cdi, self.api)
+
+    def spec(self, uid: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.preparer.spec_path(uid).read_text())
+        return data
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Rig:
+    return Rig(tmp_path)
+
+
+async def test_prepare_writes_one_cdi_device_per_request(rig: Rig) -> None:
+    claim = rig.api.add_claim("two", [result("sim-0"), result("sim-1"), result("sim-2", request="other")])
+    answer = (await rig.preparer.prepare([claim]))[claim.uid]
+    assert answer.error is None
+    assert [(d.device, d.requests) for d in answer.devices] == [
+        ("sim-0", ("npu",)),
+        ("sim-1", ("npu",)),
+        ("sim-2", ("other",)),
+    ]
+    kind = f"{DRIVER}/claim"
+    # Each request's edits once, on its first device: the kubelet hands a container the CDI IDs of all the
+    # devices of the requests it uses.
+    assert [d.cdi_device_ids for d in answer.devices] == [
+        (f"{kind}={claim.uid}-npu",),
+        (),
+        (f"{kind}={claim.uid}-other",),
+    ]
+    spec = rig.spec(claim.uid)
+    assert validate_spec(spec) == []
+    env = {d["name"]: d["containerEdits"]["env"] for d in spec["devices"]}
+    assert env == {f"{claim.uid}-npu": ["NPU_VISIBLE_DEVICES=sim-0,sim-1"], f"{claim.uid}-other": ["NPU_VISIBLE_DEVICES=sim-2"]}
+
+
+async def test_prepare_is_idempotent_and_survives_a_restart(rig: Rig) -> None:
+    claim = rig.api.add_claim("c", [result("sim-3")])
+    first = await rig.preparer.prepare([claim])
+    del rig.api.claims[("default", "c")]  # a restarted driver must not need the claim again
+    again = await rig.make().prepare([claim])
+    assert again[claim.uid] == first[claim.uid]
+    # Unprepare by a new process: CDI spec and checkpoint entry go; a second unprepare is fine too.
+    fresh = rig.make()
+    assert await fresh.unprepare([claim]) == {claim.uid: None}
+    assert not rig.preparer.spec_path(claim.uid).exists()
+    assert rig.make().checkpoint.claims == {}
+    assert await fresh.unprepare([claim]) == {claim.uid: None}
+
+
+async def test_refusals_name_the_problem_and_post_an_event(rig: Rig) -> None:
+    cases = {
+        "elsewhere": ([result("sim-0", pool="node-b")], "not this node's (node-a)"),
+        "unknown": ([result("sim-9")], "device sim-9 is not one of driver npu.example.com's devices"),
+        "foreign": ([result("sim-0", driver="gpu.nvidia.com")], "allocates no device of driver npu.example.com"),
+    }
+    refs = {name: rig.api.add_claim(name, results) for name, (results, _) in cases.items()}
+    gone = ClaimRef("default", "uid-gone", "gone")
+    answers = await rig.preparer.prepare([*refs.values(), gone])
+    for name, (_, message) in cases.items():
+        assert message in (answers[refs[name].uid].error or "")
+    assert "does not exist" in (answers["uid-gone"].error or "")
+    assert {reason for _, reason, _ in rig.api.events} == {"KxpuPrepareFailed"}
+    assert len(rig.api.events) == 4
+    assert rig.preparer.checkpoint.claims == {}
+    assert not list(rig.cdi.glob("*.json")) if rig.cdi.exists() else True
+
+
+async def test_a_recreated_claim_is_refused(rig: Rig) -> None:
+    claim = rig.api.add_claim("c", [result("sim-0")])
+    stale = ClaimRef(claim.namespace, "another-uid", claim.name)
+    answer = (await rig.preparer.prepare([stale]))["another-uid"]
+    assert "deleted and created again" in (answer.error or "")
+
+
+async def test_a_device_is_never_prepared_for_two_claims(rig: Rig) -> None:
+    a = rig.api.add_claim("a", [result("sim-1")])
+    b = rig.api.add_claim("b", [result("sim-1")])
+    answers = await rig.preparer.prepare([a, b])
+    assert answers[a.uid].error is None
+    assert "already prepared for ResourceClaim default/a" in (answers[b.uid].error or "")
+    await rig.preparer.unprepare([a])
+    assert (await rig.preparer.prepare([b]))[b.uid].error is None
+
+
+async def test_unhealthy_devices_are_refused_until_they_recover(rig: Rig) -> None:
+    sick = {**rig.devices, "sim-2": rig.devices["sim-2"].with_health(Health.UNHEALTHY, "state-file")}
+    rig.preparer.update_devices(sick)
+    claim = rig.api.add_claim("c", [result("sim-2")])
+    assert "unhealthy (state-file)" in ((await rig.preparer.prepare([claim]))[claim.uid].error or "")
+    rig.preparer.update_devices(rig.devices)
+    assert (await rig.preparer.prepare([claim]))[claim.uid].error is None
+
+
+async def test_opaque_config_is_validated_and_applied(rig: Rig) -> None:
+    def opaque(params: Any, requests: list[str] | None = None, source: str = "FromClaim") -> dict[str, Any]:
+        entry: dict[str, Any] = {"source": source, "opaque": {"driver": DRIVER, "parameters": params}}
+        if requests:
+            entry["requests"] = requests
+        return entry
+
+    good = {"apiVersion": "kxpu.io/v1alpha1", "kind": "DeviceConfig", "env": {"NPU_LOG": "debug"}}
+    override = {"apiVersion": "kxpu.io/v1alpha1", "kind": "DeviceConfig", "env": {"NPU_LOG": "info", "B": "2"}}
+    ok = rig.api.add_claim(
+        "ok",
+        [result("sim-0")],
+        config=[opaque(good, source="FromClass"), opaque(override, ["npu"]), {"opaque": {"driver": "other.x", "parameters": 1}}],
+    )
+    answers = await rig.preparer.prepare([ok])
+    assert answers[ok.uid].error is None
+    env = rig.spec(ok.uid)["devices"][0]["containerEdits"]["env"]
+    assert sorted(env) == ["B=2", "NPU_LOG=info", "NPU_VISIBLE_DEVICES=sim-0"]
+    bad_cases = {
+        "typo": ({**good, "evn": {}}, "evn: Extra inputs are not permitted"),
+        "kind": ({**good, "kind": "GpuConfig"}, "kind: Input should be 'DeviceConfig'"),
+        "bare": ({"env": {}}, "parameters need apiVersion and kind"),
+        "name": ({**good, "env": {"A=B": "x"}}, "env name 'A=B'"),
+        "clash": ({**good, "env": {"NPU_VISIBLE_DEVICES": "sim-3"}}, "sets NPU_VISIBLE_DEVICES, which driver"),
+    }
+    refs = {k: rig.api.add_claim(k, [result("sim-1")], config=[opaque(p)]) for k, (p, _) in bad_cases.items()}
+    answers = await rig.preparer.prepare(list(refs.values()))
+    for key, (_, message) in bad_cases.items():
+        assert message in (answers[refs[key].uid].error or ""), (key, answers[refs[key].uid].error)
+
+
+async def test_orphan_specs_are_removed_but_not_after_a_corrupt_checkpoint(rig: Rig) -> None:
+    rig.cdi.mkdir(parents=True)
+    orphan = rig.cdi / f"kxpu-dra-{DRIVER}-dead-beef.json"
+    orphan.write_text("{}")
+    someone_else = rig.cdi / "vendor.json"
+    someone_else.write_text("{}")
+    assert rig.make().remove_orphan_specs() == [orphan]
+    assert someone_else.exists()
+    orphan.write_text("{}")
+    checkpoint = rig.root / "plugins" / DRIVER / "checkpoint.json"
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint.write_text("{not json")
+    fresh = rig.make()
+    assert fresh.checkpoint.set_aside and fresh.checkpoint.claims == {}
+    assert fresh.remove_orphan_specs() == [] and orphan.exists()
+    assert list(checkpoint.parent.glob("checkpoint.json.corrupt-*"))
+
+
+async def test_many_devices_in_one_request(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, count=64)
+    claim = rig.api.add_claim("big", [result(device_name(d.id)) for d in rig.devices.values()])
+    answer = (await rig.preparer.prepare([claim]))[claim.uid]
+    assert answer.error is None and len(answer.devices) == 64
+    env = rig.spec(claim.uid)["devices"][0]["containerEdits"]["env"]
+    assert env == ["NPU_VISIBLE_DEVICES=" + ",".join(f"sim-{i}" for i in range(64))]
+
+
+def test_devices_are_looked_up_by_their_dra_name(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    odd = Device(id="Sim_0:x")
+    rig.preparer.update_devices({odd.id: odd})
+    assert device_name(odd.id) != odd.id
