@@ -118,7 +118,7 @@ async def test_registers_publishes_prepares_and_reports_health(rig: Rig) -> None
     assert driver.endpoint == str(rig.plugins / DRIVER / "dra.sock")
     await eventually(lambda: len(rig.pool()) == 4)
     assert rig.pool()[0]["attributes"]["model"] == {"string": "sim"}
-    assert rig.pool()[0]["capacity"] == {"memory": {"value": "16384Mi"}}
+    assert rig.pool()[0]["capacity"] == {"memory": {"value": "16Gi"}}
     await eventually(lambda: daemon.readiness()[0])
 
     claim = rig.api.add_claim("c", [result("sim-1"), result("sim-2")])

@@ -79,7 +79,7 @@ def test_device_entry_attributes_capacity_and_taint() -> None:
     assert entry["attributes"]["driverVersion"] == {"version": "580.159.4"}
     assert entry["attributes"]["computeCapability"] == {"string": "8.0"}
     assert entry["attributes"]["migCapable"] == {"bool": True}
-    assert entry["capacity"] == {"memory": {"value": "40960Mi"}, "cores": {"value": "108"}}
+    assert entry["capacity"] == {"memory": {"value": "40Gi"}, "cores": {"value": "108"}}
     assert entry["taints"] == [{"key": "kxpu.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}]
     assert "taints" not in device_entry(device.with_health(Health.HEALTHY), "taint")
 
@@ -88,6 +88,15 @@ def test_attributes_are_capped_at_the_api_limit() -> None:
     device = Device(id="d0", memory_mib=1, cores=1, extra={f"fact_{i}": i for i in range(40)})
     entry = device_entry(device, "taint")
     assert len(entry["attributes"]) + len(entry["capacity"]) == MAX_ATTRIBUTES_AND_CAPACITIES
+
+
+def test_quantities_are_written_as_the_api_server_stores_them() -> None:
+    from kxpu.dra.slices import binary_quantity
+
+    assert binary_quantity(16384 * 2**20) == "16Gi"
+    assert binary_quantity(1536 * 2**20) == "1536Mi"
+    assert binary_quantity(81920 * 2**20) == "80Gi"
+    assert binary_quantity(3 * 2**40) == "3Ti"
 
 
 def test_taint_values_are_label_values() -> None:

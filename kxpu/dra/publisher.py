@@ -65,9 +65,26 @@ def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
 
 
 def _taints_dropped(sent: Mapping[str, Any], got: Mapping[str, Any]) -> bool:
-    sent_taints = [d.get("taints") for d in sent.get("devices", [])]
-    got_taints = [d.get("taints") for d in (got.get("spec") or {}).get("devices", []) or []]
+    sent_taints = [bool(d.get("taints")) for d in sent.get("devices", [])]
+    got_taints = [bool(d.get("taints")) for d in (got.get("spec") or {}).get("devices", []) or []]
     return any(sent_taints) and sent_taints != got_taints
+
+
+def _keep_taint_times(spec: dict[str, Any], old: Mapping[str, Any] | None) -> None:
+    """A taint already on the device keeps the ``timeAdded`` the API server gave it (a republish for another
+    device's sake must not make every old taint look new)."""
+    if old is None:
+        return
+    before = {
+        (d.get("name"), t.get("key"), t.get("value"), t.get("effect")): t.get("timeAdded")
+        for d in (old.get("spec") or {}).get("devices") or []
+        for t in d.get("taints") or []
+    }
+    for device in spec.get("devices", []):
+        for taint in device.get("taints", []):
+            added = before.get((device["name"], taint["key"], taint.get("value"), taint["effect"]))
+            if added:
+                taint["timeAdded"] = added
 
 
 class SlicePublisher:
@@ -112,6 +129,7 @@ class SlicePublisher:
         by_name = {o["metadata"]["name"]: o for o in mine}
         wanted = {slice_name(self.node, self.driver, i): spec for i, spec in enumerate(content.slices)}
         for name, spec in wanted.items():
+            _keep_taint_times(spec, by_name.get(name))
             body = self._body(name, spec, by_name.get(name))
             got = await (self.api.replace_slice(body) if name in by_name else self.api.create_slice(body))
             if self.unhealthy == "taint" and _taints_dropped(spec, got):

@@ -113,10 +113,22 @@ def device_attributes(device: Device) -> dict[str, dict[str, Any]]:
     return attrs
 
 
+_BINARY_SUFFIXES = (("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))
+
+
+def binary_quantity(num_bytes: int) -> str:
+    """A byte count in the canonical form the API server stores (``16384Mi`` comes back as ``16Gi``), so
+    that what kxpu publishes compares equal to what it reads back."""
+    for suffix, size in _BINARY_SUFFIXES:
+        if num_bytes and num_bytes % size == 0:
+            return f"{num_bytes // size}{suffix}"
+    return str(num_bytes)
+
+
 def device_capacity(device: Device) -> dict[str, dict[str, str]]:
     capacity: dict[str, dict[str, str]] = {}
     if device.memory_mib is not None:
-        capacity["memory"] = {"value": f"{device.memory_mib}Mi"}
+        capacity["memory"] = {"value": binary_quantity(device.memory_mib * 2**20)}
     if device.cores is not None:
         capacity["cores"] = {"value": str(device.cores)}
     return capacity
@@ -171,6 +183,18 @@ def pool_content(
     return PoolContent(driver, node, generation, slices)
 
 
+def comparable(device: Mapping[str, Any]) -> dict[str, Any]:
+    """A device as kxpu writes it, from a device as kxpu wrote it or as the API server returns it (which adds
+    each taint's ``timeAdded``)."""
+    out = {key: device[key] for key in ("name", "attributes", "capacity") if device.get(key)}
+    taints = [{k: t[k] for k in ("key", "value", "effect") if k in t} for t in device.get("taints") or []]
+    if taints:
+        out["taints"] = taints
+    return out
+
+
 def same_devices(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> bool:
     """Whether two slice spec lists publish the same devices (ignoring the pool's generation)."""
-    return [s.get("devices") for s in a] == [s.get("devices") for s in b]
+    return [[comparable(d) for d in s.get("devices") or []] for s in a] == [
+        [comparable(d) for d in s.get("devices") or []] for s in b
+    ]

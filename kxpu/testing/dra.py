@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import copy
 import itertools
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,22 @@ from kxpu.dra.slices import MAX_DEVICES_PER_SLICE, MAX_DEVICES_PER_SLICE_WITH_TA
 from kxpu.fswatch import directory_changes
 
 KUBELET_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+
+
+_SUFFIX_BYTES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "": 1}
+
+
+def canonical_quantity(text: str) -> str:
+    """As the API server stores a binary-suffixed or plain integer quantity: the largest exact suffix."""
+    number = text.rstrip("KMGTPi")
+    suffix = text[len(number) :]
+    value = int(number) * _SUFFIX_BYTES[suffix]
+    if not suffix:  # a plain number stays a plain (decimal) number
+        return str(value)
+    for largest in ("Pi", "Ti", "Gi", "Mi", "Ki"):
+        if value and value % _SUFFIX_BYTES[largest] == 0:
+            return f"{value // _SUFFIX_BYTES[largest]}{largest}"
+    return str(value)
 
 
 class ApiRefused(Exception):
@@ -87,9 +104,13 @@ class FakeDraApi:
     def _check(self, body: Mapping[str, Any]) -> dict[str, Any]:
         stored = copy.deepcopy(dict(body))
         devices = stored["spec"].get("devices", [])
-        if not self.taints:
-            for device in devices:
+        for device in devices:
+            if not self.taints:
                 device.pop("taints", None)
+            for taint in device.get("taints", []):  # the server stamps a taint when it first sees it
+                taint.setdefault("timeAdded", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            for capacity in device.get("capacity", {}).values():
+                capacity["value"] = canonical_quantity(capacity["value"])
         limit = (
             MAX_DEVICES_PER_SLICE_WITH_TAINTS
             if any(d.get("taints") for d in devices)
