@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
+from structlog.testing import capture_logs
 
 from kxpu.backends.host import HostFileError
 from kxpu.backends.neuron import NeuronBackend, NeuronConfig
@@ -49,7 +50,7 @@ def by_id(devices: list[Device]) -> dict[str, Device]:
     return {d.id: d for d in devices}
 
 
-async def next_list(stream: AsyncIterator[list[Device]], timeout: float = 5.0) -> list[Device]:
+async def next_list(stream: AsyncGenerator[list[Device]], timeout: float = 5.0) -> list[Device]:
     return await asyncio.wait_for(anext(stream), timeout)
 
 
@@ -84,7 +85,13 @@ def test_devices_in_both_sysfs_layouts(machines: Callable[[str], FakeNeuron], pr
     devices = backend(fake).discover()
     assert [d.id for d in devices] == [f"neuron{i}" for i in range(16)]
     d5 = devices[5]
-    assert (d5.model, d5.index, d5.cores, d5.memory_mib, d5.uuid) == ("Trainium1", 5, 2, 32 * 1024, fake.serial(5))
+    assert (d5.model, d5.index, d5.cores, d5.memory_mib, d5.uuid) == (
+        "Trainium1",
+        5,
+        2,
+        32 * 1024,
+        fake.serial(5),
+    )
     assert d5.healthy and d5.numa_nodes == () and d5.pci_bus_id is None  # no parent PCI device in sysfs
     assert d5.extra["connectedDevices"] == "1,4,9,6" and d5.extra["coreIds"] == "10-11"
     assert d5.extra["neuronDriverVersion"] == fake.profile.driver_version
@@ -104,11 +111,12 @@ def test_cores_number_globally_with_the_logical_core_config(machines: Callable[[
     assert len(inf1) == 16 and inf1[7].extra["deviceId"] == 1
 
 
-def test_no_driver_means_no_devices_and_a_clear_log(
-    machines: Callable[[str], FakeNeuron], capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert backend(machines("no-driver")).discover() == []
-    assert "/sys/class/neuron_device is missing (is the driver loaded?)" in capsys.readouterr().out
+def test_no_driver_means_no_devices_and_a_clear_log(machines: Callable[[str], FakeNeuron]) -> None:
+    with capture_logs() as logs:
+        assert backend(machines("no-driver")).discover() == []
+    assert [e["event"] for e in logs] == [
+        "no Neuron devices: /sys/class/neuron_device is missing (is the driver loaded?)"
+    ]
 
 
 def test_logical_core_config_two_is_refused_off_trainium2(machines: Callable[[str], FakeNeuron]) -> None:
@@ -119,7 +127,9 @@ def test_logical_core_config_two_is_refused_off_trainium2(machines: Callable[[st
 # ---------------------------------------------------------------------------------------------- bad trees
 
 
-def test_garbage_values_make_the_device_unhealthy_not_the_backend_fail(machines: Callable[[str], FakeNeuron]) -> None:
+def test_garbage_values_make_the_device_unhealthy_not_the_backend_fail(
+    machines: Callable[[str], FakeNeuron],
+) -> None:
     fake = machines("trn1-32xl")
     fake.fake.set_attribute(fake.attribute(2, "core_count"), "banana")
     fake.fake.set_attribute(fake.attribute(3, "connected_devices"), "1, x")
@@ -133,7 +143,9 @@ def test_garbage_values_make_the_device_unhealthy_not_the_backend_fail(machines:
     assert sum(d.healthy for d in devices.values()) == 32 - 6
 
 
-def test_a_moved_attribute_found_twice_is_a_clear_error_until_pinned(machines: Callable[[str], FakeNeuron]) -> None:
+def test_a_moved_attribute_found_twice_is_a_clear_error_until_pinned(
+    machines: Callable[[str], FakeNeuron],
+) -> None:
     fake = machines("trn1-32xl-new-layout")
     fake.fake.write_attribute("/sys/devices/virtual/neuron_device/neuron0/stats/core_count", 2)
     devices = by_id(backend(fake).discover())
@@ -145,7 +157,9 @@ def test_a_moved_attribute_found_twice_is_a_clear_error_until_pinned(machines: C
 def test_garbage_logical_core_config_file_names_the_file(machines: Callable[[str], FakeNeuron]) -> None:
     fake = machines("trn2-48xl")
     fake.fake.write_file("/opt/aws/neuron/logical_nc_config", "NEURON_LOGICAL_NC_CONFIG=3\n")
-    with pytest.raises(HostFileError, match=r"/opt/aws/neuron/logical_nc_config: .* must be 1 or 2, found '3'"):
+    with pytest.raises(
+        HostFileError, match=r"/opt/aws/neuron/logical_nc_config: .* must be 1 or 2, found '3'"
+    ):
         backend(fake).discover()
 
 
@@ -237,7 +251,9 @@ async def test_health_values_are_polled_and_recover(machines: Callable[[str], Fa
     await stream.aclose()
 
 
-async def test_a_lost_device_and_the_driver_going_away_arrive_by_inotify(machines: Callable[[str], FakeNeuron]) -> None:
+async def test_a_lost_device_and_the_driver_going_away_arrive_by_inotify(
+    machines: Callable[[str], FakeNeuron],
+) -> None:
     fake = machines("inf2-48xl")
     stream = backend(fake, pollSeconds=3600).watch()  # no polling in this test's time: only inotify wakes it
     assert len(await next_list(stream)) == 12

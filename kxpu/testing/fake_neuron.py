@@ -141,7 +141,7 @@ class FakeNeuron:
     def restore(self, index: int) -> None:
         """Write device ``index`` (sysfs directory, class link, device node) as the driver does on probe."""
         p, base = self.profile, f"{DEVICE_DIR}/neuron{index}"
-        values = {
+        values: dict[str, str | int] = {
             "core_count": p.physical_cores,
             "connected_devices": ", ".join(map(str, neighbours(p, index))),
             "reset": 1,

@@ -13,7 +13,7 @@ would reject.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,7 +106,7 @@ class NeuronBackend(Backend):
             log.warning("reading a fake Neuron machine", root=str(fake.root), env=FAKE_ENV)
         self.reader = NeuronReader(self.host, config.sysfs_paths)
         self._units: dict[str, Unit] = {}
-        self._reported: dict[int, tuple[str, ...]] = {}
+        self._reported: dict[int, tuple[str, ...]] | None = None  # what was last logged per device
         self._snapshot: NeuronHost | None = None
         self._lnc = 1
         self._block = 1
@@ -128,8 +128,9 @@ class NeuronBackend(Backend):
 
     def _log_changes(self, host: NeuronHost) -> None:
         seen = {d.index: d.problems for d in host.devices}
+        reported = self._reported or {}
         for device in host.devices:
-            if self._reported.get(device.index) != device.problems:
+            if reported.get(device.index) != device.problems:
                 if device.problems:
                     log.warning(
                         "Neuron device unhealthy",
@@ -137,7 +138,7 @@ class NeuronBackend(Backend):
                         reasons=",".join(device.problems),
                         errors="; ".join(device.errors) or None,
                     )
-                elif device.index in self._reported:
+                elif device.index in reported:
                     log.info("Neuron device healthy again", device=f"neuron{device.index}")
         if not host.devices and self._reported != seen:
             log.warning(
@@ -178,7 +179,11 @@ class NeuronBackend(Backend):
     def _device(self, unit: Unit, host: NeuronHost, lnc: int, block: int) -> Device:
         dev = unit.device
         first = dev.index * block
-        extra: dict[str, str | int | bool] = {"deviceId": dev.index, "coreCount": block, "logicalCoreConfig": lnc}
+        extra: dict[str, str | int | bool] = {
+            "deviceId": dev.index,
+            "coreCount": block,
+            "logicalCoreConfig": lnc,
+        }
         facts = {
             "deviceName": dev.device_name,
             "archType": dev.arch_type,
@@ -207,7 +212,7 @@ class NeuronBackend(Backend):
             extra=extra,
         )
 
-    async def watch(self) -> AsyncIterator[list[Device]]:
+    async def watch(self) -> AsyncGenerator[list[Device]]:
         """New and removed devices wake it at once (inotify on the class directory and /dev); health
         counters and states are values, which sysfs never announces, so they are polled."""
         async for devices in host_changes(
