@@ -306,3 +306,18 @@ def test_a_fake_library_per_process_reads_the_shared_state(machines: Callable[[s
     for lib in (first, second):
         state = c.cndevCardHealthState_t(version=c.CNDEV_VERSION_6)
         assert lib.cndevGetCardHealthState(ctypes.byref(state), 0) == c.CNDEV_SUCCESS and state.health == 0
+
+
+def test_the_hardware_check_script_passes_over_a_fake_machine() -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "hack" / "cambricon-check"
+    run = subprocess.run(
+        [sys.executable, str(script), "--fake", "mlu370-x8-4x", "--timeout", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "cambricon-check: everything matches" in run.stdout

@@ -331,3 +331,18 @@ def test_fake_device_nodes_are_char_devices_as_root(machines: Callable[[str], Fa
     st = os.stat(fake.root / "dev/neuron3")
     if os.geteuid() == 0:
         assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (FAKE_MAJOR, 3)
+
+
+def test_the_hardware_check_script_passes_over_a_fake_machine() -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "hack" / "neuron-check"
+    run = subprocess.run(
+        [sys.executable, str(script), "--fake", "trn1-32xl-new-layout", "--timeout", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "neuron-check: everything matches" in run.stdout

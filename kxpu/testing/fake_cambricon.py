@@ -336,8 +336,15 @@ class FakeCambricon:
             self.fake.remove(path)
         self._save()
 
+    def pci_address(self, index: int) -> str:
+        domain, bus, device, function = self.state["cards"][index]["pci"]
+        return f"{domain:04x}:{bus:02x}:{device:02x}.{function:x}"
+
     def restore(self, index: int) -> None:
         self.state["cards"][index]["lost"] = False
+        pci = f"/sys/bus/pci/devices/{self.pci_address(index)}"  # what the plugin's FetchMLUCounts reads
+        self.fake.write_attribute(f"{pci}/vendor", "0xcabc")
+        self.fake.write_attribute(f"{pci}/class", "0x120000")
         for k, path in enumerate(self._nodes(index)):
             self.fake.device_node(path, FAKE_MAJOR, index * 16 + k)
         self._save()
