@@ -321,3 +321,55 @@ def test_the_hardware_check_script_passes_over_a_fake_machine() -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "cambricon-check: everything matches" in run.stdout
+
+
+async def test_kxpu_sharing_wraps_the_backend_under_hamis_names(
+    machines: Callable[[str], FakeCambricon],
+) -> None:
+    """Placement and accounting work over MLUs; what a shared container gets is the MLU's own nodes plus the
+    configured limit variables (which nothing in a Cambricon container enforces: docs/vendor-cambricon.md)."""
+    from kxpu.sharing import inventory as inv
+    from kxpu.sharing import signing
+    from kxpu.sharing.config import SharingConfig
+    from kxpu.sharing.node import SharingBackend, parent_id
+    from kxpu.sharing.requests import ResourceFamily
+    from kxpu.sharing.scheduler import Scheduler
+    from kxpu.sharing.state import ClusterState
+    from kxpu.testing.sharing import FakeCluster, pod
+
+    vmlu = "cambricon.com/vmlu"
+    family = ResourceFamily.derived(
+        vmlu, memory="cambricon.com/mlu.smlu.vmemory", cores="cambricon.com/mlu.smlu.vcore"
+    )
+    fake = machines("mlu370-x8-4x")
+    cluster = FakeCluster()
+    link = cluster.link("node-a")
+    config = SharingConfig.model_validate({"signingKey": {"file": "/dev/null"}, "splitCount": 4})
+    shared = SharingBackend(backend(fake), vmlu, config, lambda: link, "node-a")
+    slots = shared.discover()
+    assert len(slots) == 16 and slots[5].id == f"{fake.uuid(1)}::1" and slots[5].memory_mib == 49152
+    state = ClusterState([vmlu])
+    state.set_node("node-a", {inv.annotation_key(vmlu): inv.encode(shared.inventory())})
+    scheduler = Scheduler(state, [family], keys=lambda: cluster.keyring, api=cluster)
+    cluster.add_pod(
+        pod("infer", [{vmlu: 1, "cambricon.com/mlu.smlu.vmemory": 8192, "cambricon.com/mlu.smlu.vcore": 25}])
+    )
+    assert (
+        await scheduler.bind(
+            "default", "infer", cluster.pods[("default", "infer")]["metadata"]["uid"], "node-a"
+        )
+        == ""
+    )
+    annotations = cluster.pods[("default", "infer")]["metadata"]["annotations"]
+    (grant,) = signing.decode_assignment(annotations[signing.ASSIGNMENT_ANNOTATION]).containers[0].devices
+    chosen = await shared.preferred_allocation_async(slots, [], 1)
+    assert [parent_id(i) for i in chosen] == [grant.device]
+    edits = await shared.allocate_async([d for d in slots if d.id == chosen[0]])
+    slot = next(i for i in range(4) if fake.uuid(i) == grant.device)
+    assert [n.container_path for n in edits.device_nodes] == [
+        "/dev/cambricon_ctl",
+        f"/dev/cambricon_ipcm{slot}",
+        f"/dev/cambricon_dev{slot}",
+    ]
+    assert edits.env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "8192m" and edits.env["CUDA_DEVICE_SM_LIMIT"] == "25"
+    await shared.settled()

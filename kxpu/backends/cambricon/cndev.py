@@ -298,7 +298,7 @@ class Cndev:
         """The plugin's rule: health flag 0 is unhealthy, and so is compute mode PROHIBITED."""
         state = cndevCardHealthState_t(version=CNDEV_VERSION_6)
         self._call("cndevGetCardHealthState", ctypes.byref(state), handle)
-        if state.health != 1:
+        if state.health == 0:  # the plugin: 0 is unhealthy, anything else is not
             if state.driverState != CNDEV_HEALTH_STATE_DRIVER_RUNNING and 0 <= state.driverState < len(
                 DRIVER_STATES
             ):

@@ -187,7 +187,7 @@ class NeuronBackend(Backend):
         facts = {
             "deviceName": dev.device_name,
             "archType": dev.arch_type,
-            "instanceType": dev.instance_type,
+            "instanceFamily": dev.instance_type,  # sysfs instance_type: Trn1, not the EC2 type
             "neuronDriverVersion": host.driver_version,
             "connectedDevices": ",".join(map(str, dev.connected)) or None,
         }
