@@ -173,7 +173,8 @@ def load_library(path: str) -> Any:
 class CndevError(Exception):
     def __init__(self, code: int, call: str, message: str) -> None:
         self.code, self.call = code, call
-        super().__init__(f"{call}: {ERROR_NAMES.get(code, f'code {code}')} ({message})")
+        name = ERROR_NAMES.get(code, f"code {code}")
+        super().__init__(f"{call}: {name}" + ("" if message in (name, "") else f" ({message})"))
 
     @property
     def reason(self) -> str:
