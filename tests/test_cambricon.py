@@ -255,6 +255,19 @@ async def test_a_lost_mlu_and_a_driver_going_away(machines: Callable[[str], Fake
     await stream.aclose()
 
 
+def test_a_failing_cndev_call_names_the_mlu_and_the_code(machines: Callable[[str], FakeCambricon]) -> None:
+    fake = machines("mlu370-x8-4x")
+    fake.fail_call(2, "cndevGetUUID", c.CNDEV_ERROR_UNKNOWN)  # at start: cndev cannot name MLU 2
+    fake.fail_call(3, "cndevGetCardHealthState", 99)  # a code cndev.h does not list
+    b = backend(fake)
+    devices = by_slot(b.discover())
+    assert (devices[2].id, devices[2].health_reason) == ("cambricon_dev2", "cndev-unknown")
+    assert devices[3].health_reason == "cndev-99" and devices[0].healthy
+    fake.fail_call(2, "cndevGetUUID", None)
+    fake.fail_call(3, "cndevGetCardHealthState", None)
+    assert [d.id for d in b.discover() if d.healthy] == [fake.uuid(i) for i in range(4)]
+
+
 def test_no_driver_profile_has_no_mlus(machines: Callable[[str], FakeCambricon]) -> None:
     assert backend(machines("no-driver")).discover() == []
 

@@ -143,6 +143,18 @@ def test_garbage_values_make_the_device_unhealthy_not_the_backend_fail(
     assert sum(d.healthy for d in devices.values()) == 32 - 6
 
 
+def test_a_device_with_no_attributes_is_listed_unhealthy(machines: Callable[[str], FakeNeuron]) -> None:
+    fake = machines("inf2-48xl")
+    fake.fake.remove("/sys/devices/virtual/neuron_device/neuron3")
+    fake.fake.mkdir(
+        "/sys/devices/virtual/neuron_device/neuron3"
+    )  # the class link now leads to an empty directory
+    devices = by_id(backend(fake).discover())
+    assert devices["neuron3"].health_reason == "core-count-unknown" and devices["neuron3"].model is None
+    assert devices["neuron2"].healthy
+    assert "neuroncore6" not in by_id(backend(fake, unit="core").discover())  # no cores known: none served
+
+
 def test_a_moved_attribute_found_twice_is_a_clear_error_until_pinned(
     machines: Callable[[str], FakeNeuron],
 ) -> None:

@@ -127,7 +127,9 @@ class FakeLibcndev:
         if not isinstance(handle, int) or not 0 <= handle < len(cards):
             return c.CNDEV_ERROR_INVALID_DEVICE_ID, {}
         card = cards[handle]
-        return (c.CNDEV_ERROR_IN_PROBLEM if card["lost"] else c.CNDEV_SUCCESS), card
+        if card["lost"]:
+            return c.CNDEV_ERROR_IN_PROBLEM, card
+        return int(card.get("fail", {}).get(name, c.CNDEV_SUCCESS)), card
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def cndevInit(self, reserved: int) -> int:
@@ -327,6 +329,15 @@ class FakeCambricon:
     def set_compute_mode(self, index: int, mode: int | None) -> None:
         """0 default, 1 exclusive, 2 prohibited; None: the call is not supported."""
         self.state["cards"][index]["compute_mode"] = mode
+        self._save()
+
+    def fail_call(self, index: int, call: str, code: int | None) -> None:
+        """Make one cndev function answer ``code`` for this MLU (None: answer normally again)."""
+        fail = self.state["cards"][index].setdefault("fail", {})
+        if code is None:
+            fail.pop(call, None)
+        else:
+            fail[call] = code
         self._save()
 
     def lose(self, index: int) -> None:
