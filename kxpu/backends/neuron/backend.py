@@ -1,0 +1,286 @@
+"""AWS Neuron devices (Inferentia, Trainium) as whole devices or as NeuronCores, read from sysfs.
+
+Served as AWS's Neuron device plugin serves them (aws-neuron-sdk deploy/ docs: its image is
+closed source): ``aws.amazon.com/neuron`` (older ``aws.amazon.com/neurondevice``) gives a
+container ``/dev/neuron<N>`` per device, each carrying all its cores;
+``aws.amazon.com/neuroncore`` gives the device nodes that carry the chosen cores plus
+``NEURON_RT_VISIBLE_CORES`` naming them (``--device=/dev/neuron1 --env NEURON_RT_VISIBLE_CORES=2,3``
+in AWS's scheduler flow). Unlike AWS's plugin, kxpu keeps the sets contiguous itself
+(GetPreferredAllocation) instead of needing a scheduler extension, and refuses a set the runtime
+would reject.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from kxpu.backends.host import Host, HostBackendConfig, host_changes
+from kxpu.backends.neuron.placement import compact, contiguous_run, is_contiguous
+from kxpu.backends.neuron.sysfs import (
+    CLASS_DIR,
+    LEGACY_PATHS,
+    LNC_DEVICES,
+    MEMORY_GIB,
+    NeuronDevice,
+    NeuronHost,
+    NeuronReader,
+)
+from kxpu.backends.registry import register_backend
+from kxpu.logs import get_logger
+from kxpu.model import Backend, BackendError, ContainerEdits, Device, DeviceNode, Health, numa_packed
+
+log = get_logger("kxpu.backends.neuron")
+
+VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+FAKE_ENV = "KXPU_FAKE_NEURON"
+DEVICE_NAMES = ("aws.amazon.com/neuron", "aws.amazon.com/neurondevice")
+CORE_NAMES = ("aws.amazon.com/neuroncore",)
+
+
+class NeuronConfig(HostBackendConfig):
+    unit: Literal["device", "core"] = Field(default="device", description="whole devices or NeuronCores")
+    logical_core_config: Literal["auto", 1, 2] = Field(
+        default="auto",
+        description="physical cores per logical NeuronCore (Trn2/Trn3); auto: the node's "
+        "/opt/aws/neuron/logical_nc_config, else 2 on Trainium2/3 and 1 elsewhere",
+    )
+    require_contiguous: bool = Field(
+        default=True, description="refuse device or core sets the Neuron runtime rejects as not contiguous"
+    )
+    sysfs_paths: dict[str, str] = Field(
+        default_factory=dict, description="attribute → path under neuron<N>/, where the driver moved it"
+    )
+
+    @field_validator("sysfs_paths")
+    @classmethod
+    def _known(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, rel in value.items():
+            if key not in LEGACY_PATHS:
+                raise ValueError(f"unknown Neuron attribute {key!r}; known: {', '.join(LEGACY_PATHS)}")
+            if rel.startswith("/") or ".." in rel.split("/"):
+                raise ValueError(f"{key}: {rel!r} must be a path inside the device's directory")
+        return value
+
+    def resource_name(self, configured: str) -> str:
+        if self.unit == "core" and configured in DEVICE_NAMES:
+            raise ValueError(
+                f"{configured} counts whole devices; use unit: device, or name it {CORE_NAMES[0]}"
+            )
+        if self.unit == "device" and configured in CORE_NAMES:
+            raise ValueError(f"{configured} counts NeuronCores; set unit: core")
+        return configured
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One allocatable unit: a device (position = device index) or a core (position = global core index)."""
+
+    id: str
+    position: int
+    device: NeuronDevice
+
+
+def fake_root() -> Host | None:
+    """The fake machine named by KXPU_FAKE_NEURON (a profile or a tree's path), like KXPU_FAKE_NVML."""
+    value = os.environ.get(FAKE_ENV)
+    if not value:
+        return None
+    from kxpu.testing.fake_neuron import from_env
+
+    return Host(from_env(value))
+
+
+@register_backend("neuron", NeuronConfig)
+class NeuronBackend(Backend):
+    def __init__(self, config: NeuronConfig, host: Host | None = None) -> None:
+        self.config = config
+        fake = fake_root() if host is None else None
+        self.host = host or fake or config.host
+        if fake is not None:
+            log.warning("reading a fake Neuron machine", root=str(fake.root), env=FAKE_ENV)
+        self.reader = NeuronReader(self.host, config.sysfs_paths)
+        self._units: dict[str, Unit] = {}
+        self._reported: dict[int, tuple[str, ...]] | None = None  # what was last logged per device
+        self._snapshot: NeuronHost | None = None
+        self._lnc = 1
+        self._block = 1
+
+    # ------------------------------------------------------------------ discovery
+    def _logical_core_config(self, devices: Sequence[NeuronDevice]) -> int:
+        if not devices:
+            return 1
+        names = {d.device_name for d in devices}
+        capable = bool(names) and names <= set(LNC_DEVICES)
+        setting = self.config.logical_core_config
+        lnc = setting if setting != "auto" else (self.reader.logical_core_config() or (2 if capable else 1))
+        if lnc != 1 and not capable:
+            raise BackendError(
+                f"logical NeuronCore config {lnc} applies to {'/'.join(LNC_DEVICES)} only, "
+                f"this node has {', '.join(sorted(n or '?' for n in names))}"
+            )
+        return lnc
+
+    def _log_changes(self, host: NeuronHost) -> None:
+        seen = {d.index: d.problems for d in host.devices}
+        reported = self._reported or {}
+        for device in host.devices:
+            if reported.get(device.index) != device.problems:
+                if device.problems:
+                    log.warning(
+                        "Neuron device unhealthy",
+                        device=f"neuron{device.index}",
+                        reasons=",".join(device.problems),
+                        errors="; ".join(device.errors) or None,
+                    )
+                elif device.index in reported:
+                    log.info("Neuron device healthy again", device=f"neuron{device.index}")
+        if not host.devices and self._reported != seen:
+            log.warning(
+                "no Neuron devices"
+                + (
+                    ""
+                    if self.reader.driver_present()
+                    else f": {CLASS_DIR} is missing (is the driver loaded?)"
+                )
+            )
+        self._reported = seen
+
+    def discover(self) -> list[Device]:
+        host = self.reader.read()
+        self._log_changes(host)
+        lnc = self._logical_core_config(host.devices)
+        per_device = {d.physical_cores // lnc for d in host.devices if d.physical_cores}
+        if len(per_device) > 1:
+            raise BackendError(
+                f"Neuron devices differ in cores per device ({sorted(per_device)}); not supported"
+            )
+        block = per_device.pop() if per_device else 1
+        units: dict[str, Unit] = {}
+        devices: list[Device] = []
+        for dev in host.devices:
+            if self.config.unit == "device":
+                unit = Unit(f"neuron{dev.index}", dev.index, dev)
+                units[unit.id] = unit
+                devices.append(self._device(unit, host, lnc, block))
+                continue
+            for local in range(block if dev.physical_cores else 0):
+                unit = Unit(f"neuroncore{dev.index * block + local}", dev.index * block + local, dev)
+                units[unit.id] = unit
+                devices.append(self._device(unit, host, lnc, block))
+        self._units, self._snapshot, self._lnc, self._block = units, host, lnc, block
+        return devices
+
+    def _device(self, unit: Unit, host: NeuronHost, lnc: int, block: int) -> Device:
+        dev = unit.device
+        first = dev.index * block
+        extra: dict[str, str | int | bool] = {
+            "deviceId": dev.index,
+            "coreCount": block,
+            "logicalCoreConfig": lnc,
+        }
+        facts = {
+            "deviceName": dev.device_name,
+            "archType": dev.arch_type,
+            "instanceFamily": dev.instance_type,  # sysfs instance_type: Trn1, not the EC2 type
+            "neuronDriverVersion": host.driver_version,
+            "connectedDevices": ",".join(map(str, dev.connected)) or None,
+        }
+        extra.update({k: v for k, v in facts.items() if v is not None})
+        is_core = self.config.unit == "core"
+        if is_core:
+            extra.update(coreId=unit.position, localCoreId=unit.position - first)
+        else:
+            extra["coreIds"] = compact(range(first, first + block))
+        memory = MEMORY_GIB.get(dev.device_name or "")
+        return Device(
+            id=unit.id,
+            health=Health.UNHEALTHY if dev.problems else Health.HEALTHY,
+            health_reason=dev.problems[0] if dev.problems else None,
+            numa_nodes=(dev.numa_node,) if dev.numa_node is not None else (),
+            model=dev.device_name,
+            uuid=dev.serial,
+            index=unit.position,
+            memory_mib=None if memory is None or is_core else memory * 1024,
+            cores=1 if is_core else block,
+            pci_bus_id=dev.pci_bus_id,
+            extra=extra,
+        )
+
+    async def watch(self) -> AsyncGenerator[list[Device]]:
+        """New and removed devices wake it at once (inotify on the class directory and /dev); health
+        counters and states are values, which sysfs never announces, so they are polled."""
+        async for devices in host_changes(
+            self.discover, lambda: [CLASS_DIR, "/dev"], self.host, self.config.poll_seconds
+        ):
+            yield devices
+
+    # ------------------------------------------------------------------ allocation
+    def _chosen(self, devices: Sequence[Device]) -> list[Unit]:
+        try:
+            return sorted((self._units[d.id] for d in devices), key=lambda u: u.position)
+        except KeyError as exc:
+            raise BackendError(f"not a Neuron {self.config.unit} of this resource: {exc.args[0]}") from None
+
+    def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
+        units = self._chosen(devices)
+        positions = [u.position for u in units]
+        what = "devices" if self.config.unit == "device" else "NeuronCores"
+        if self.config.require_contiguous and not is_contiguous(positions):
+            raise BackendError(
+                f"Neuron {what} {compact(positions)} are not contiguous and the Neuron runtime refuses such "
+                "a set; request a count that fits a free contiguous run (requireContiguous: false allows it)"
+            )
+        indexes = sorted({u.device.index for u in units})
+        edits = ContainerEdits(
+            device_nodes=[
+                DeviceNode(f"/dev/neuron{i}", str(self.host.path(f"/dev/neuron{i}")), "rw") for i in indexes
+            ]
+        )
+        if self.config.unit == "core":
+            edits.env[VISIBLE_CORES_ENV] = compact(positions)
+            if any(u.device.device_name in LNC_DEVICES for u in units):
+                edits.env[LNC_ENV] = str(self._lnc)  # the numbering above is at this config
+        return edits
+
+    def preferred_allocation(
+        self, available: Sequence[Device], must_include: Sequence[Device], size: int
+    ) -> list[str]:
+        """A contiguous run (see placement); if none exists, NUMA-packed devices (Allocate will then refuse)."""
+        by_position = {
+            self._units[d.id].position: d.id for d in [*available, *must_include] if d.id in self._units
+        }
+        required = [self._units[d.id].position for d in must_include if d.id in self._units]
+        run = contiguous_run(
+            sorted(by_position), required, size, self._block if self.config.unit == "core" else 1
+        )
+        if run is not None:
+            return [by_position[p] for p in run]
+        return numa_packed(available, must_include, size)
+
+    # ------------------------------------------------------------------ labels
+    def node_labels(self) -> dict[str, str]:
+        """kxpu's own labels (AWS's plugin labels nothing): what a nodeSelector needs to pick Neuron nodes."""
+        self.discover()
+        host = self._snapshot
+        if host is None or not host.devices:
+            return {}
+        first = host.devices[0]
+        labels = {
+            "kxpu.io/neuron.count": str(len(host.devices)),
+            "kxpu.io/neuron.cores-per-device": str(self._block),
+            "kxpu.io/neuron.logical-core-config": str(self._lnc),
+        }
+        for key, value in (
+            ("device-name", first.device_name),
+            ("family", first.instance_type),
+            ("driver-version", host.driver_version),
+        ):
+            if value:
+                labels[f"kxpu.io/neuron.{key}"] = value
+        return labels

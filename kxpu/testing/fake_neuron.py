@@ -1,0 +1,216 @@
+"""A fake AWS Neuron machine: the driver's sysfs tree and ``/dev/neuron<N>``, from named profiles.
+
+The tree is the one the Neuron driver builds (see ``kxpu.backends.neuron.sysfs`` for the
+sources): ``/sys/devices/virtual/neuron_device/neuron<N>`` with ``core_count``,
+``connected_devices``, ``reset``, ``dev``, ``uevent``, a ``subsystem`` link, ``info/`` and
+``stats/hardware/``, one ``neuron_core<K>/`` per NeuronCore, the class links
+``/sys/class/neuron_device/neuron<N>``, ``/sys/module/neuron/version`` and the char devices.
+
+Profiles: ``inf1-6xl`` (4 Inferentia, 4 cores each), ``inf2-48xl`` (12 Inferentia2 in a ring),
+``trn1-32xl`` (16 Trainium1 in a 4x4 torus, 2 cores each), ``trn2-48xl`` (16 Trainium2, 8
+physical cores, LNC 2 by default) and ``trn2-48xl-lnc1`` (the EKS node file sets LNC 1),
+``no-driver``; ``*-new-layout`` variants stand in for driver 2.31's reorganized tree. AWS
+documents that 2.31 moved nodes but the new paths were not available when this was written:
+those variants move ``core_count`` and ``connected_devices`` into ``info/`` as a *stand-in*, which
+proves the backend finds attributes by name, not that it matches 2.31's real tree.
+
+Changes happen as on hardware: ``set_ecc``/``set_state`` rewrite values in place (no inotify
+event, as sysfs raises none), ``lose``/``restore`` and ``unload_driver``/``load_driver`` remove
+and add directories and device nodes (which do raise events). The tree lives on disk, so a daemon
+in another process pointed at the root (``hostRoot``, or ``KXPU_FAKE_NEURON=<root>``) sees every
+change. ``python -m kxpu.testing.fake_neuron <profile> <dir>`` writes one for ``kxpu devices``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_FILE
+from kxpu.testing.fake_host import FakeHost
+
+DEVICE_DIR = "/sys/devices/virtual/neuron_device"
+FAKE_MAJOR = 240  # the driver's major is dynamic; 240-254 are for local use, so nothing answers here
+NEW_LAYOUT = {"core_count": "info/core_count", "connected_devices": "info/connected_devices"}  # stand-in
+
+
+@dataclass(frozen=True)
+class NeuronProfile:
+    name: str
+    device_name: str  # info/architecture/device_name
+    arch: tuple[str, str]  # arch_type of the device and of its cores
+    family: str  # info/architecture/instance_type
+    count: int
+    physical_cores: int
+    topology: Literal["torus", "ring", "none"]
+    layout: Literal["legacy", "new"] = "legacy"
+    driver_version: str = "2.24.7.0"
+    lnc_file: int | None = None
+    driver: bool = True
+
+
+def _base_profiles() -> list[NeuronProfile]:
+    # arch suffixes from the driver's dhal tables: v1 Inferentia, v2 Trainium1, v3/v2 Inferentia2, v3 Trainium2.
+    return [
+        NeuronProfile("inf1-6xl", "Inferentia", ("NDv1", "NCv1"), "Inf1", 4, 4, "none"),
+        NeuronProfile("inf2-48xl", "Inferentia2", ("NDv3", "NCv2"), "Inf2", 12, 2, "ring"),
+        NeuronProfile("trn1-32xl", "Trainium1", ("NDv2", "NCv2"), "Trn1", 16, 2, "torus"),
+        NeuronProfile("trn2-48xl", "Trainium2", ("NDv3", "NCv3"), "Trn2", 16, 8, "torus"),
+    ]
+
+
+def _profiles() -> dict[str, NeuronProfile]:
+    out = {p.name: p for p in _base_profiles()}
+    out["trn2-48xl-lnc1"] = replace(out["trn2-48xl"], name="trn2-48xl-lnc1", lnc_file=1)
+    for base in ("trn1-32xl", "inf2-48xl"):
+        out[f"{base}-new-layout"] = replace(
+            out[base], name=f"{base}-new-layout", layout="new", driver_version="2.31.0.0"
+        )
+    out["no-driver"] = replace(out["trn1-32xl"], name="no-driver", driver=False)
+    return out
+
+
+PROFILES = _profiles()
+
+
+def load_profile(name: str) -> NeuronProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown fake Neuron profile {name!r}; known: {', '.join(sorted(PROFILES))}"
+        ) from None
+
+
+def neighbours(profile: NeuronProfile, index: int) -> list[int]:
+    """connected_devices: a 4-wide torus lists up, left, down, right (neuron-ls on trn2.48xlarge)."""
+    n = profile.count
+    if profile.topology == "ring":
+        return [(index - 1) % n, (index + 1) % n]
+    if profile.topology == "torus":
+        row, col = divmod(index, 4)
+        rows = n // 4
+        return [
+            ((row - 1) % rows) * 4 + col,
+            row * 4 + (col - 1) % 4,
+            ((row + 1) % rows) * 4 + col,
+            row * 4 + (col + 1) % 4,
+        ]
+    return []
+
+
+class FakeNeuron:
+    """One fake Neuron machine under ``root`` (a new temporary directory by default)."""
+
+    def __init__(self, profile: NeuronProfile | str, root: Path | None = None) -> None:
+        self.profile = load_profile(profile) if isinstance(profile, str) else profile
+        self.fake = FakeHost(root)
+        self.root = self.fake.root
+        if self.profile.driver:
+            self.load_driver()
+
+    # ------------------------------------------------------------------ layout
+    def attribute(self, index: int, name: str) -> str:
+        """The host path of one of device ``index``'s attributes in this profile's layout."""
+        rel = NEW_LAYOUT.get(name) if self.profile.layout == "new" else None
+        return f"{DEVICE_DIR}/neuron{index}/{rel or LEGACY_PATHS[name]}"  # type: ignore[index]
+
+    def serial(self, index: int) -> str:
+        return hashlib.sha256(f"{self.profile.name}/{index}".encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ building
+    def load_driver(self) -> None:
+        p = self.profile
+        self.fake.write_attribute("/sys/module/neuron/version", p.driver_version)
+        self.fake.mkdir("/sys/class/neuron_device")
+        if p.lnc_file is not None:
+            self.fake.write_file(LNC_FILE, f"NEURON_LOGICAL_NC_CONFIG={p.lnc_file}")
+        for index in range(p.count):
+            self.restore(index)
+
+    def unload_driver(self) -> None:
+        for index in range(self.profile.count):
+            self.fake.remove(f"/dev/neuron{index}")
+        for path in ("/sys/class/neuron_device", DEVICE_DIR, "/sys/module/neuron"):
+            self.fake.remove(path)
+
+    def restore(self, index: int) -> None:
+        """Write device ``index`` (sysfs directory, class link, device node) as the driver does on probe."""
+        p, base = self.profile, f"{DEVICE_DIR}/neuron{index}"
+        values: dict[str, str | int] = {
+            "core_count": p.physical_cores,
+            "connected_devices": ", ".join(map(str, neighbours(p, index))),
+            "reset": 1,
+            "serial_number": self.serial(index),
+            "arch_type": p.arch[0],
+            "device_name": p.device_name,
+            "instance_type": p.family,
+            "mem_ecc_uncorrected": 0,
+            "sram_ecc_uncorrected": 0,
+        }
+        for name, value in values.items():
+            self.fake.write_attribute(self.attribute(index, name), value)
+        self.fake.write_attribute(f"{base}/dev", f"{FAKE_MAJOR}:{index}")
+        self.fake.write_attribute(
+            f"{base}/uevent", f"MAJOR={FAKE_MAJOR}\nMINOR={index}\nDEVNAME=neuron{index}"
+        )
+        self.fake.write_attribute(f"{base}/info/notify_delay", -1)
+        self.fake.write_attribute(f"{base}/power/control", "auto")
+        self.fake.write_attribute(f"{base}/stats/hardware/mem_ecc_repairable_uncorrected", 0)
+        self.fake.symlink(f"{base}/subsystem", "../../../../class/neuron_device")
+        for core in range(p.physical_cores):
+            self.fake.write_attribute(f"{base}/neuron_core{core}/info/architecture/arch_type", p.arch[1])
+            self.fake.write_attribute(f"{base}/neuron_core{core}/stats/status/success/total", 0)
+        self.fake.symlink(
+            f"/sys/class/neuron_device/neuron{index}", f"../../devices/virtual/neuron_device/neuron{index}"
+        )
+        self.fake.device_node(f"/dev/neuron{index}", FAKE_MAJOR, index)
+
+    # ------------------------------------------------------------------ changes, as hardware makes them
+    def set_ecc(self, index: int, kind: Literal["mem", "sram"], count: int) -> None:
+        self.fake.set_attribute(self.attribute(index, f"{kind}_ecc_uncorrected"), count)
+
+    def set_state(self, index: int, state: int) -> None:
+        """The device state ``reset`` reads back: 0 resetting, 1 ready, 2 invalid."""
+        self.fake.set_attribute(self.attribute(index, "reset"), state)
+
+    def lose(self, index: int) -> None:
+        """The device falls off the bus: its class link, sysfs directory and device node go away."""
+        self.fake.remove(f"/sys/class/neuron_device/neuron{index}")
+        self.fake.remove(f"{DEVICE_DIR}/neuron{index}")
+        self.fake.remove(f"/dev/neuron{index}")
+
+    def cleanup(self) -> None:
+        self.fake.cleanup()
+
+
+_shared: dict[str, FakeNeuron] = {}
+
+
+def from_env(value: str) -> Path:
+    """The root named by KXPU_FAKE_NEURON: an existing tree's path, or a profile (one tree per process)."""
+    if value.startswith("/"):
+        if not Path(value, "sys").is_dir():
+            raise ValueError(f"KXPU_FAKE_NEURON={value}: no fake machine there (no sys/ directory)")
+        return Path(value)
+    if value not in _shared:
+        _shared[value] = FakeNeuron(value)
+        atexit.register(_shared[value].cleanup)
+    return _shared[value].root
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(f"usage: python -m kxpu.testing.fake_neuron PROFILE DIR  (profiles: {', '.join(PROFILES)})")
+        return 2
+    fake = FakeNeuron(argv[0], Path(argv[1]))
+    print(f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_NEURON={fake.root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
