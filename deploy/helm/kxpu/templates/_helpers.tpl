@@ -118,3 +118,31 @@ The node configs as a list of {name, key, config}: "default" (from .Values.confi
 {{- $users := list (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "kxpu.scheduler.name" .)) (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "kxpu.plugin.serviceAccountName" .)) }}
 {{- toYaml (concat $users .Values.sharing.extraTrustedUsers) }}
 {{- end }}
+
+{{- /*
+DRA: the drivers the node configs serve (`serve: dra`), as a YAML list of {resource, driver}; the driver name is
+dra.driverName or the resource name turned around as kxpu derives it (example.com/npu -> npu.example.com).
+*/}}
+{{- define "kxpu.dra.drivers" -}}
+{{- $drivers := list }}
+{{- $seen := dict }}
+{{- range (include "kxpu.nodeConfigs" . | fromYamlArray) }}
+{{- range (get .config "resources" | default list) }}
+{{- if and (kindIs "map" .) (eq (toString (get . "serve")) "dra") }}
+{{- $parts := splitList "/" (toString .name) }}
+{{- $derived := printf "%s.%s" (regexReplaceAll "[^a-z0-9-]+" (lower (last $parts)) "-" | trimAll "-") (first $parts) }}
+{{- $driver := (get . "dra" | default dict).driverName | default $derived }}
+{{- if not (hasKey $seen $driver) }}
+{{- $_ := set $seen $driver true }}
+{{- $drivers = append $drivers (dict "resource" .name "driver" $driver) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toYaml $drivers }}
+{{- end }}
+
+{{- /* "true" when any node config serves a resource through DRA (the daemon then needs the API). */}}
+{{- define "kxpu.dra.enabled" -}}
+{{- if (include "kxpu.dra.drivers" . | fromYamlArray) }}true{{ end }}
+{{- end }}
