@@ -79,7 +79,11 @@ def import_backend_module(module: str) -> None:
 
 # Built-in backends heavy enough (big config models, vendor libraries) to import only when a config
 # names them: every node daemon pays for what it loads.
-_LAZY_BUILTINS = {"nvidia": "kxpu.backends.nvidia"}
+_LAZY_BUILTINS = {
+    "nvidia": "kxpu.backends.nvidia",
+    "ascend": "kxpu.backends.ascend",
+    "gaudi": "kxpu.backends.gaudi",
+}
 
 
 def lookup(key: str) -> BackendSpec | None:
