@@ -24,6 +24,7 @@ import ctypes
 import json
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -209,6 +210,7 @@ class FakeDcmi:
                 "/usr/local/Ascend/driver/version.info", f"Version={self.profile.driver_version}\n"
             )
             host.write_file("/usr/local/bin/npu-smi", "#!/bin/sh\necho fake npu-smi\n")
+            host.path("/usr/local/bin/npu-smi").chmod(0o755)
             host.write_file("/etc/ascend_install.info", "Driver_Install_Path_Param=/usr/local/Ascend\n")
 
     def _node(self, chip: FakeChip) -> None:
@@ -456,5 +458,6 @@ def from_env(host_root: Path) -> FakeDcmi | None:
         fake = _shared.get(key)
         if fake is None:
             fake = FakeDcmi(name, None if host_root == Path("/") else host_root)
+            weakref.finalize(fake, fake.cleanup)  # a temporary root goes at exit; a given one stays
             _shared[key] = fake
         return fake

@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -398,6 +399,7 @@ def from_env(host_root: Path) -> FakeHlml | None:
         fake = _shared.get(key)
         if fake is None:
             fake = FakeHlml(name, None if host_root == Path("/") else host_root)
+            weakref.finalize(fake, fake.cleanup)  # a temporary root goes at exit; a given one stays
             control = os.environ.get(FAKE_HLML_CONTROL_ENV)
             if control:
                 fake.serve_control(control)
