@@ -358,3 +358,130 @@ async def test_daemon_serves_npus_and_follows_a_dropped_card(
     assert sum(h == "Healthy" for h in devices.values()) == 7
     fake.recover(2)
     await kubelet.wait_devices(NPU, lambda d: d.get("Ascend910-2") == "Healthy")
+
+
+# ---------------------------------------------------------------------------------------- sharing
+
+
+async def test_sharing_with_hamis_names_hands_the_grant_to_the_backend(
+    machine: Callable[[str], FakeDcmi],
+) -> None:
+    """kxpu's sharing over an Ascend chip: HAMi's resource names, and the vNPU template for the grant."""
+    from kxpu.sharing import inventory
+    from kxpu.sharing.config import SharingConfig
+    from kxpu.sharing.node import SharingBackend, parent_id
+    from kxpu.sharing.requests import ResourceFamily
+    from kxpu.sharing.scheduler import Scheduler
+    from kxpu.sharing.state import ClusterState
+    from kxpu.testing.sharing import FakeCluster, pod
+
+    resource, node = "huawei.com/Ascend910B3", "node-a"
+    family = ResourceFamily.derived(resource, memory=f"{resource}-memory", cores=f"{resource}-core")
+    cluster = FakeCluster()
+    link = cluster.link(node)
+    config = SharingConfig.model_validate(
+        {"signingKey": {"file": "/dev/null"}, "splitCount": 4, "allocateTimeoutSeconds": 0.3}
+    )
+    shared = SharingBackend(backend(machine("910b-8x"), resource), resource, config, lambda: link, node)
+    slots = {d.id: d for d in shared.discover()}
+    state = ClusterState([resource])
+    state.set_node(node, {inventory.annotation_key(resource): inventory.encode(shared.inventory())})
+    assert {d.memory_mib for d in shared.inventory().devices} == {65536}
+    scheduler = Scheduler(state, [family], keys=lambda: cluster.keyring, api=cluster)
+    cluster.add_pod(pod("infer", [{resource: 1, f"{resource}-memory": 16384, f"{resource}-core": 25}]))
+    assert (
+        await scheduler.bind("default", "infer", cluster.pods[("default", "infer")]["metadata"]["uid"], node)
+        == ""
+    )
+
+    chosen = await shared.preferred_allocation_async(list(slots.values()), [], 1)
+    edits = await shared.allocate_async([slots[i] for i in chosen])
+    physical = parent_id(chosen[0]).removeprefix("Ascend910B3-")
+    assert edits.env["ASCEND_VISIBLE_DEVICES"] == physical
+    assert edits.env["ASCEND_RT_VISIBLE_DEVICES"] == "0"
+    assert edits.env["ASCEND_VNPU_SPECS"] == "vir05_1c_16g"  # 16 GiB fits HAMi's smallest 910B3 template
+    await shared.settled()
+
+
+# ---------------------------------------------------------------------------------------- hack/ascend-check
+
+
+NPU_SMI_INFO = """\
++------------------------------------------------------------------------------------------------+
+| npu-smi 24.1.rc2                 Version: 24.1.rc2                                             |
++---------------------------+---------------+----------------------------------------------------+
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
++===========================+===============+====================================================+
+| 0     910B3               | OK            | 94.8        44                0    / 0             |
+| 0                         | 0000:C1:00.0  | 0           0    / 0          4495 / 65536         |
++===========================+===============+====================================================+
+| 1     910B3               | Critical      | 99.7        45                0    / 0             |
+| 0                         | 0000:01:00.0  | 0           0    / 0          3333 / 65536         |
++===========================+===============+====================================================+
++---------------------------+---------------+----------------------------------------------------+
+| NPU     Chip              | Process id    | Process name             | Process memory(MB)      |
++===========================+===============+====================================================+
+| 0       0                 | 1234          | python                   | 4000                    |
++===========================+===============+====================================================+
+"""
+
+
+def _check_script() -> Any:
+    import importlib.machinery
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "hack" / "ascend-check"
+    loader = importlib.machinery.SourceFileLoader("ascend_check", str(path))
+    spec = importlib.util.spec_from_loader("ascend_check", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_check_script_parses_npu_smi_tables() -> None:
+    script = _check_script()
+    assert script.parse_info(NPU_SMI_INFO) == [
+        {"npu": "0", "name": "910B3", "health": "OK", "chip": "0", "bus": "0000:C1:00.0", "memory": 65536},
+        {
+            "npu": "1",
+            "name": "910B3",
+            "health": "Critical",
+            "chip": "0",
+            "bus": "0000:01:00.0",
+            "memory": 65536,
+        },
+    ]
+    mapping = "        NPU ID   Chip ID   Chip Logic ID   Chip Name\n        0   0   0   Ascend 910B3\n        0   1   -   Mcu\n"
+    assert script.parse_map(mapping) == [{"card": 0, "chip": 0, "logic": 0, "name": "Ascend 910B3"}]
+
+
+@pytest.mark.parametrize("profile", ["910b-8x", "310p-4x"])
+def test_check_script_passes_over_a_fake_machine(profile: str) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "hack" / "ascend-check"
+    result = subprocess.run(
+        [sys.executable, str(script), "--fake", profile, "--timeout", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all checks passed" in result.stdout and "FAIL" not in result.stdout
+
+
+def test_check_script_reports_a_dropped_card() -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "hack" / "ascend-check"
+    result = subprocess.run(
+        [sys.executable, str(script), "--fake", "910b-8x-one-dropped", "--timeout", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1 and "FAIL Ascend910-3" in result.stdout, result.stdout

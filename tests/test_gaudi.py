@@ -307,3 +307,18 @@ async def test_daemon_serves_gaudi_and_reports_a_critical_event(
     send_control(control, op="critical", index=7)
     devices = await kubelet.wait_devices(GAUDI, lambda d: d.get(SERIALS[7]) == "Unhealthy")
     assert sum(h == "Healthy" for h in devices.values()) == 7
+
+
+def test_check_script_passes_over_a_fake_machine() -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "hack" / "gaudi-check"
+    result = subprocess.run(
+        [sys.executable, str(script), "--fake", "gaudi2-8x", "--timeout", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all checks passed" in result.stdout and "FAIL" not in result.stdout
