@@ -485,3 +485,10 @@ def test_check_script_reports_a_dropped_card() -> None:
         timeout=120,
     )
     assert result.returncode == 1 and "FAIL Ascend910-3" in result.stdout, result.stdout
+
+
+def test_garbage_in_sysfs_costs_the_numa_hint_not_the_device(machine: Callable[[str], FakeDcmi]) -> None:
+    fake = machine("910b-8x")
+    fake.host.write_attribute("/sys/bus/pci/devices/0000:c1:00.0/numa_node", "zero")
+    devices = backend(fake).discover()
+    assert devices[0].healthy and devices[0].numa_nodes == () and devices[1].numa_nodes == (0,)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from kxpu.backends.ascend import dcmi
 from kxpu.backends.ascend.dcmi import Dcmi, DcmiError, check
-from kxpu.backends.host import Host
+from kxpu.backends.host import Host, HostFileError
 from kxpu.logs import get_logger
 
 log = get_logger("kxpu.backends.ascend")
@@ -95,7 +95,11 @@ def error_codes(lib: Dcmi, card: int, dev: int) -> list[int]:
 
 
 def _numa(host: Host, bus_id: str) -> int | None:
-    node = host.read_int(f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node")
+    try:
+        node = host.read_int(f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node")
+    except HostFileError as exc:  # a garbage sysfs file costs the hint, not the device
+        log.warning("unreadable NUMA node", error=str(exc))
+        return None
     return node if node is not None and node >= 0 else None
 
 
