@@ -492,3 +492,18 @@ def test_garbage_in_sysfs_costs_the_numa_hint_not_the_device(machine: Callable[[
     fake.host.write_attribute("/sys/bus/pci/devices/0000:c1:00.0/numa_node", "zero")
     devices = backend(fake).discover()
     assert devices[0].healthy and devices[0].numa_nodes == () and devices[1].numa_nodes == (0,)
+
+
+def test_a_chip_that_stops_answering_stays_in_the_resource_its_name_chose(
+    machine: Callable[[str], FakeDcmi],
+) -> None:
+    fake = machine("310p-4x")
+    npus = backend(fake, "huawei.com/Ascend310P", chipNames=["310P3"])
+    assert len(npus.discover()) == 4
+    fake.drop(1)
+    assert health(npus.discover())["Ascend310P-1"] == "dcmi-8012"
+    # A daemon that never heard the chip's name keeps it, unhealthy, rather than hide a fault.
+    fresh = backend(fake, "huawei.com/Ascend310P", chipNames=["310P3"])
+    assert health(fresh.discover()) == {
+        f"Ascend310P-{n}": ("dcmi-8012" if n == 1 else None) for n in range(4)
+    }

@@ -54,6 +54,7 @@ class AscendBackend(Backend):
         self._dcmi_error: str | None = None
         self._physical: dict[str, int] = {}  # device ID → physical ID, from the last discovery
         self._reasons: dict[str, str | None] = {}  # device ID → last health reason, to log changes once
+        self._names: dict[int, str] = {}  # physical ID → chip name, remembered for chips that stop answering
         self._chip = ""
         self._start_dcmi()
         devices = self.discover()
@@ -117,8 +118,12 @@ class AscendBackend(Backend):
             )
             return f"dcmi-list-failed{exc.code}"
         npus = [npu for card, dev in chips if (npu := read_npu(lib, self.host, card, dev)) is not None]
+        for npu in npus:
+            if npu.chip_name:
+                self._names[npu.phy_id] = npu.chip_name
         wanted = set(self.config.chip_names)
-        return [n for n in npus if not wanted or n.chip_name in wanted or n.fault]
+        # A chip whose queries fail has no name now: judged by the name it had (kept if never known).
+        return [n for n in npus if not wanted or self._names.get(n.phy_id, next(iter(wanted))) in wanted]
 
     def _reason(self, npu: Npu, nodes: set[int]) -> str | None:
         if npu.fault:
