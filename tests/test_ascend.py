@@ -507,3 +507,17 @@ def test_a_chip_that_stops_answering_stays_in_the_resource_its_name_chose(
     assert health(fresh.discover()) == {
         f"Ascend310P-{n}": ("dcmi-8012" if n == 1 else None) for n in range(4)
     }
+
+
+async def test_daemon_without_dcmi_serves_unhealthy_nodes_until_the_driver_arrives(
+    kubelet: KubeletStandIn, write_config: Callable[..., Path], daemons: Callable[..., Any], workdir: Path
+) -> None:
+    fake = FakeDcmi("910b-8x", workdir / "root")
+    fake.remove_driver()
+    config = write_config([{"name": NPU, "ascend": {"hostRoot": str(fake.root), "pollSeconds": 0.2}}])
+    daemon = await daemons(config, env={FAKE_DCMI_ENV: "910b-8x"})
+    view = await kubelet.wait_registered(NPU)
+    assert view.devices == {f"Ascend910-{n}": "Unhealthy" for n in range(8)}
+    fake.install_driver()
+    await kubelet.wait_devices(NPU, lambda d: set(d.values()) == {"Healthy"})
+    assert "DCMI unavailable" in daemon.log_text() and "Traceback" not in daemon.log_text()
