@@ -83,6 +83,8 @@ _LAZY_BUILTINS = {
     "nvidia": "kxpu.backends.nvidia",
     "neuron": "kxpu.backends.neuron",
     "cambricon": "kxpu.backends.cambricon",
+    "ascend": "kxpu.backends.ascend",
+    "gaudi": "kxpu.backends.gaudi",
 }
 
 

@@ -18,6 +18,7 @@ from kxpu.model.device import (
     Device,
     Health,
     InvalidDeviceError,
+    Share,
     check_device_id,
     index_by_id,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "NodeLabeller",
     "PreStarter",
     "PreferredAllocator",
+    "Share",
     "Watcher",
     "capabilities_of",
     "check_device_id",

@@ -40,7 +40,17 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kxpu.logs import get_logger
-from kxpu.model import Backend, BackendError, Closable, ContainerEdits, Device, Mount, Watcher, numa_packed
+from kxpu.model import (
+    Backend,
+    BackendError,
+    Closable,
+    ContainerEdits,
+    Device,
+    Mount,
+    Share,
+    Watcher,
+    numa_packed,
+)
 from kxpu.sharing import inventory, signing
 from kxpu.sharing.config import SharingConfig
 from kxpu.sharing.lock import NodeLock
@@ -355,7 +365,12 @@ class SharingBackend(Backend):
         return edits
 
     def _edits(self, container: ContainerAssignment) -> ContainerEdits:
-        parents = [self._parents[g.device] for g in container.devices if g.device in self._parents]
+        # Each device narrowed to this container's grant, so the vendor backend can add its own limits.
+        parents = [
+            replace(self._parents[g.device], share=Share(g.memory_mib, g.cores))
+            for g in container.devices
+            if g.device in self._parents
+        ]
         base = self.inner.allocate(parents)
         env = {self.config.visible_devices_env: ",".join(g.uuid for g in container.devices)}
         for i, grant in enumerate(container.devices):

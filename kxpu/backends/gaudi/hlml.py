@@ -1,0 +1,63 @@
+"""Which HLML module the backend talks to (Habana's ``pyhlml`` or the fake), and helpers around its errors.
+
+``pyhlml`` (PyPI ``habana-pyhlml``) mirrors NVML: ``hlmlInit`` loads ``libhlml.so`` (so importing
+it needs no driver), calls return bytes for strings and raise ``HLMLError`` subclasses carrying
+``HLML_RETURN`` codes. Constants come from ``pyhlml.pyhlml_types_generated``; the fake
+(``kxpu.testing.fake_hlml``) takes them from the same module, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Hlml = Any  # pyhlml is untyped
+
+
+@dataclass(frozen=True, slots=True)
+class HlmlSource:
+    module: Hlml
+    types: Any  # pyhlml.pyhlml_types_generated: HLML_RETURN, HLML_DEFINES
+    host_root: Path
+    fake: bool = False
+
+
+def default_source(host_root: Path) -> HlmlSource:
+    """The fake named by ``KXPU_FAKE_HLML`` if set (writing its machine under ``host_root``), else pyhlml."""
+    from kxpu.testing.fake_hlml import from_env
+
+    fake = from_env(host_root)
+    if fake is not None:
+        return HlmlSource(fake, fake.types, fake.root, fake=True)
+    with warnings.catch_warnings():  # pyhlml.main imports its own deprecated hlml_types module
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import pyhlml
+        import pyhlml.pyhlml_types_generated as types
+    return HlmlSource(pyhlml, types, host_root)
+
+
+def error_code(hlml: Hlml, exc: BaseException) -> int | None:
+    if isinstance(exc, hlml.HLMLError):
+        value = getattr(exc, "value", None)
+        return int(value) if isinstance(value, int) else None
+    return None
+
+
+def is_code(source: HlmlSource, exc: BaseException, name: str) -> bool:
+    return error_code(source.module, exc) == int(getattr(source.types.HLML_RETURN, name))
+
+
+def text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def handle_key(handle: Any) -> int | None:
+    """An HLML device handle (``c_void_p``) or an event's ``device`` field (an int) as one comparable value."""
+    value = getattr(handle, "value", handle)
+    return value if isinstance(value, int) else None
