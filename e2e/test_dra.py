@@ -230,7 +230,7 @@ def test_nvidia_backend_through_dra(e2e: E2E) -> None:
     gpu = dra.pool_devices(e2e.cluster, driver)[0]
     assert "A100" in gpu["attributes"]["model"]["string"]
     assert gpu["attributes"]["uuid"]["string"].startswith("GPU-")
-    assert gpu["capacity"]["memory"]["value"] == "40Gi"  # the fake A100s: 40960 MiB, as NVML reports them
+    assert gpu["capacity"]["memory"]["value"] == "80Gi"  # the fake A100-SXM4-80GB: 81920 MiB, as NVML reports
     cls = dra.device_class(e2e, "kxpu-gpu", driver)
     template = dra.claim_template(e2e, "gpu", [{"name": "gpu", "exactly": dra.exactly(cls, 1)}])
     pod = dra.claim_pod(e2e, "gpu", 'echo "GPUS=$NVIDIA_VISIBLE_DEVICES"\necho end-of-report', template)

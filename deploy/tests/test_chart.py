@@ -617,3 +617,62 @@ def test_sharing_metrics_are_scraped(sharing: Rendered) -> None:
 )
 def test_bad_sharing_values_are_refused(helm: Path, args: list[str], message: str) -> None:
     assert message in template_error(helm, "--set", "sharing.enabled=true", *args)
+
+
+DRA_VALUES = Path(__file__).parent / "values-dra.yaml"
+
+
+@pytest.fixture(scope="module")
+def dra(helm: Path) -> Rendered:
+    return template(helm, "--values", str(DRA_VALUES))
+
+
+def test_helm_lint_with_dra(helm: Path) -> None:
+    proc = subprocess.run(
+        [str(helm), "lint", "--strict", str(CHART), "--values", str(DRA_VALUES)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_no_dra_objects_without_a_dra_resource(default: Rendered) -> None:
+    assert not default.kinds("DeviceClass")
+    assert "kxpu-plugin-dra" not in {r["metadata"]["name"] for r in default.kinds("ClusterRole")}
+    mounts = {
+        m["name"]
+        for m in default.one("DaemonSet")["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    }
+    assert not mounts & {"kubelet-plugins", "plugins-registry"}
+
+
+def test_dra_device_classes_one_per_driver_and_extra(dra: Rendered) -> None:
+    classes = {c["metadata"]["name"]: c["spec"] for c in dra.kinds("DeviceClass")}
+    assert set(classes) == {"npu.example.com", "gpu.nvidia.com", "big.npu.example.com"}
+    assert classes["gpu.nvidia.com"]["selectors"] == [
+        {"cel": {"expression": 'device.driver == "gpu.nvidia.com"'}}
+    ]
+    assert "64Gi" in classes["big.npu.example.com"]["selectors"][0]["cel"]["expression"]
+
+
+def test_dra_rbac_is_exact(dra: Rendered) -> None:
+    assert rules(dra.one("ClusterRole", "kxpu-plugin-dra")) == [
+        ("", "events", (), ("create",)),
+        ("", "nodes", (), ("get",)),
+        ("resource.k8s.io", "resourceclaims", (), ("get",)),
+        ("resource.k8s.io", "resourceslices", (), ("get", "list", "watch", "create", "update", "delete")),
+    ]
+    assert "ClusterRole/kxpu-plugin-dra" in bound_roles(dra, "kxpu-plugin")
+
+
+def test_dra_daemonsets_get_the_plugin_dirs_node_name_and_token(dra: Rendered) -> None:
+    for ds in dra.kinds("DaemonSet"):
+        pod = ds["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["kubelet-plugins"] == "/var/lib/kubelet/plugins"
+        assert mounts["plugins-registry"] == "/var/lib/kubelet/plugins_registry"
+        assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container[
+            "env"
+        ]
+        assert pod["automountServiceAccountToken"] is True
