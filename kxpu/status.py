@@ -102,6 +102,11 @@ async def node_status(pod_resources_socket: Path, daemon_url: str, all_resources
 
     devices: list[DeviceStatus] = []
     for resource, info in sorted(served.items()):
+        # DRA: the driver's prepared claims hold its devices (the kubelet's PodResources shows them per pod only
+        # on newer kubelets); shown as "claim <namespace>/<name>".
+        for claim in (info.get("dra") or {}).get("claims", {}).values():
+            for device_id in claim.get("devices", []):
+                held.setdefault((resource, device_id), []).append(f"claim {claim.get('claim')}")
         for d in info.get("devices", []):
             devices.append(
                 DeviceStatus(

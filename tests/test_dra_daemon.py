@@ -128,6 +128,9 @@ async def test_registers_publishes_prepares_and_reports_health(rig: Rig) -> None
     assert list(answer.devices[0].cdi_device_ids) == [f"{DRIVER}/claim={claim.uid}-npu"]
     spec = json.loads((rig.cdi / f"kxpu-dra-{DRIVER}-{claim.uid}.json").read_text())
     assert spec["devices"][0]["containerEdits"]["env"] == ["KXPU_VISIBLE_DEVICES=sim-1,sim-2"]
+    dra_status = daemon.status()["resources"][NPU]["dra"]
+    assert dra_status["driver"] == DRIVER and dra_status["registered"]
+    assert dra_status["claims"] == {claim.uid: {"claim": "default/c", "devices": ["sim-1", "sim-2"]}}
 
     # Health: a flip reaches the kubelet's health stream and taints the device in the pool.
     report = await rig.kubelet.wait_health(DRIVER, lambda r: len(r.devices) == 4)

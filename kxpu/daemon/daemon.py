@@ -137,6 +137,8 @@ class Daemon:
                     for d in list(runner.snapshot.devices.values())
                 ],
             }
+            if runner.dra is not None:
+                resources[name]["dra"] = runner.dra.describe()
         return {"devicePluginDir": str(self.config.device_plugin_dir), "resources": resources}
 
     def _poke_all(self) -> None:

@@ -15,7 +15,7 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -49,6 +49,10 @@ class DraServer(Protocol):
     def poke(self) -> None: ...
 
     async def withdraw(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]:
+        """For the daemon's /status: the driver, its pool and the prepared claims."""
+        ...
 
 
 # (resource, backend, snapshot) → its DRA server; the CLI wires the Kubernetes client and directories in.

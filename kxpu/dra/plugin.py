@@ -25,6 +25,7 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -281,6 +282,19 @@ class DraPlugin:
                 await within(self.snapshot.wait_revision_newer_than(revision), delay)
                 continue
             await self.snapshot.wait_revision_newer_than(revision)
+
+    def describe(self) -> dict[str, Any]:
+        """The driver, its pool and what is prepared (read from the HTTP thread: plain reads only)."""
+        return {
+            "driver": self.driver,
+            "pool": self.node,
+            "registered": self.registered,
+            "generation": self.publisher.generation,
+            "claims": {
+                uid: {"claim": claim.ref, "devices": [d.id for d in claim.devices]}
+                for uid, claim in list(self.checkpoint.claims.items())
+            },
+        }
 
     async def withdraw(self) -> None:
         """The resource is no longer served as DRA on this node (removed from the config): remove its
