@@ -86,6 +86,7 @@ class ResourceRunner:
         self.phase = Phase.STARTING
         self.registrations = 0
         self.snapshot = DeviceSnapshot()
+        self.backend: Backend | None = None  # while the resource runs (telemetry samples it)
         self._poked = asyncio.Event()
         self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
         self.log = log.bind(resource=config.name)
@@ -122,6 +123,7 @@ class ResourceRunner:
 
     async def _run_once(self) -> None:
         backend = await self._build_backend()
+        self.backend = backend
         try:
             self.snapshot = DeviceSnapshot()
             await self._update(await asyncio.to_thread(backend.discover))
@@ -138,6 +140,7 @@ class ResourceRunner:
                     tasks.create_task(self._follow(backend))
                 tasks.create_task(self._serve_and_register(servicer))
         finally:
+            self.backend = None
             if isinstance(backend, Closable):
                 await asyncio.to_thread(backend.close)
 
