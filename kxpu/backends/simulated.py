@@ -157,27 +157,40 @@ class SimulatedBackend(Backend):
             uuid_ = device.uuid or device.id
             entry = figures.get(device.id, {})
             memory_mib = self.config.memory_mib
+            try:
+                utilization = float(entry.get("utilization", 0.0))
+                used = int(entry.get("memoryUsedMiB", 0)) * _MIB
+            except (TypeError, ValueError) as exc:
+                raise BackendError(
+                    f"telemetryFile {self.config.telemetry_file}: {device.id}: {exc}"
+                ) from None
             devices.append(
                 DeviceUsage(
                     uuid=uuid_,
                     index=device.index,
                     model=device.model,
-                    compute_utilization=float(entry.get("utilization", 0.0)),
-                    memory_used_bytes=int(entry.get("memoryUsedMiB", 0)) * _MIB,
+                    compute_utilization=utilization,
+                    memory_used_bytes=used,
                     memory_total_bytes=None if memory_mib is None else memory_mib * _MIB,
                 )
             )
-            for proc in entry.get("processes", []):
-                memory = proc.get("memoryMiB")
-                compute = proc.get("utilization")
-                processes.append(
-                    ProcessUsage(
-                        uuid_,
-                        int(proc["pid"]),
-                        None if memory is None else int(memory) * _MIB,
-                        None if compute is None else float(compute),
+            try:
+                for proc in entry.get("processes", []):
+                    memory = proc.get("memoryMiB")
+                    compute = proc.get("utilization")
+                    processes.append(
+                        ProcessUsage(
+                            uuid_,
+                            int(proc["pid"]),
+                            None if memory is None else int(memory) * _MIB,
+                            None if compute is None else float(compute),
+                        )
                     )
-                )
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise BackendError(
+                    f"telemetryFile {self.config.telemetry_file}: {device.id}: processes need a pid and numbers "
+                    f"({exc!r})"
+                ) from None
         return TelemetrySample(tuple(devices), tuple(processes))
 
     def _read_telemetry(self) -> dict[str, dict[str, Any]]:

@@ -21,7 +21,8 @@ behaves as the real program does in what kxpu relies on, and records what it was
 Every start, command and stop is appended as a JSON line to ``kxpu-fake-mps.jsonl`` in the log
 directory (``read_record``), with the environment that matters (``CUDA_VISIBLE_DEVICES`` and the
 two directories). ``KXPU_FAKE_MPS_FAIL=start`` in the environment makes the daemon refuse to start,
-``=commands`` makes it reject every command. This file imports only the standard library: the
+``=commands`` makes it reject every command, ``=linger`` makes it stay after ``quit`` (as the real
+daemon does while clients are still connected). This file imports only the standard library: the
 installed program runs it directly, so each call costs a bare interpreter start.
 """
 
@@ -213,7 +214,7 @@ class _Daemon:
         if verb == "get_server_list" and not args:
             return ""
         if verb == "quit":
-            self.running = False
+            self.running = os.environ.get(FAIL_ENV) == "linger"  # still serving its clients
             return ""
         return f"Invalid command {command}"
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -159,7 +160,12 @@ class MpsDaemon:
             with contextlib.suppress(FileNotFoundError):
                 (self.pipe_dir / PID_FILE).unlink()  # a stale one from a daemon that was killed
             self._spawn()
-        self._configure()
+        try:
+            self._configure()
+        except MpsError:
+            if not self.adopted:
+                self._discard()  # never handed to a container: leave nothing running that we started
+            raise
         self.up = True
         self.failures = 0
         log.info(
@@ -250,6 +256,20 @@ class MpsDaemon:
                 accepted = False
             if not accepted:
                 raise MpsError(f"GPU {self.uuid}: the MPS daemon refused {line!r}: {answer or 'no answer'}")
+
+    def _discard(self) -> None:
+        """End a daemon this start spawned but could not configure: quit, else SIGTERM, else SIGKILL."""
+        if self.stop(1.0):
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pid = self.pid()
+            if pid is None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            deadline = time.monotonic() + 2.0
+            while self.pid() is not None and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def stop(self, timeout_s: float) -> bool:
         """``quit``; True once the daemon is gone, False if it still waits for clients after ``timeout_s``."""
