@@ -26,7 +26,7 @@ from kxpu.daemon.registration import FileIdentity, file_identity, register
 from kxpu.daemon.servicer import DevicePluginServicer, DeviceSnapshot
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.logs import get_logger
-from kxpu.model import Backend, Closable, Device, Watcher
+from kxpu.model import Backend, BackendError, Closable, Device, Watcher
 
 log = get_logger("kxpu.daemon.resource")
 
@@ -114,7 +114,9 @@ class ResourceRunner:
                         "resource failed; retrying",
                         error=f"{type(exc).__name__}: {exc}",
                         retry_in_s=delay,
-                        exc_info=not isinstance(exc, grpc.RpcError | OSError),
+                        exc_info=not isinstance(
+                            exc, grpc.RpcError | OSError | BackendError
+                        ),  # a message, not a bug
                     )
                     await asyncio.sleep(delay)
         finally:

@@ -22,7 +22,8 @@ Every start, command and stop is appended as a JSON line to ``kxpu-fake-mps.json
 directory (``read_record``), with the environment that matters (``CUDA_VISIBLE_DEVICES`` and the
 two directories). ``KXPU_FAKE_MPS_FAIL=start`` in the environment makes the daemon refuse to start,
 ``=commands`` makes it reject every command, ``=linger`` makes it stay after ``quit`` (as the real
-daemon does while clients are still connected). This file imports only the standard library: the
+daemon does while clients are still connected). ``KXPU_FAKE_MPS_FAIL_FILE=<path>`` does the same with
+the mode read from that file while it exists, so a test can make restarts fail for a while. This file imports only the standard library: the
 installed program runs it directly, so each call costs a bare interpreter start.
 """
 
@@ -45,6 +46,7 @@ CONTROL_SOCKET = "control"
 CONTROL_LOG = "control.log"
 RECORD_FILE = "kxpu-fake-mps.jsonl"
 FAIL_ENV = "KXPU_FAKE_MPS_FAIL"
+FAIL_FILE_ENV = "KXPU_FAKE_MPS_FAIL_FILE"
 DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
 DEFAULT_LOG_DIR = "/var/log/nvidia-mps"
 _MEMORY_VALUE = re.compile(r"^\d+(\.\d+)?[KMGT]?$")
@@ -82,6 +84,16 @@ def _dirs() -> tuple[Path, Path]:
     )
 
 
+def _fault() -> str:
+    """The fault asked for: the env var, else the contents of the fail file while it exists."""
+    mode = os.environ.get(FAIL_ENV, "")
+    path = os.environ.get(FAIL_FILE_ENV)
+    if not mode and path:
+        with contextlib.suppress(OSError):
+            mode = Path(path).read_text().strip()
+    return mode
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -98,7 +110,7 @@ class _Daemon:
         self.pipe_dir, self.log_dir = pipe_dir, log_dir
         self.thread_percentage = 100.0
         self.pinned: dict[str, str] = {}
-        self.reject = os.environ.get(FAIL_ENV) == "commands"
+        self.reject = _fault() == "commands"
         self.running = True
 
     def record(self, event: str, **fields: Any) -> None:
@@ -113,7 +125,7 @@ class _Daemon:
 
     def prepare(self) -> socket.socket:
         """Everything that can fail at start; raises SystemExit with the message."""
-        if os.environ.get(FAIL_ENV) == "start":
+        if _fault() == "start":
             raise SystemExit("MPS control daemon failed to start (KXPU_FAKE_MPS_FAIL=start)")
         pid_file = self.pipe_dir / PID_FILE
         try:
@@ -129,9 +141,13 @@ class _Daemon:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(str(path))
-        server.listen(16)
-        pid_file.write_text(f"{os.getpid()}\n")
+        try:
+            server.bind(str(path))
+            server.listen(16)
+            pid_file.write_text(f"{os.getpid()}\n")
+        except OSError as exc:
+            server.close()
+            raise SystemExit(f"cannot listen on {path}: {exc}") from None
         self.log(f"Starting control daemon using socket {path}")
         self.record(
             "start",
@@ -214,7 +230,7 @@ class _Daemon:
         if verb == "get_server_list" and not args:
             return ""
         if verb == "quit":
-            self.running = os.environ.get(FAIL_ENV) == "linger"  # still serving its clients
+            self.running = _fault() == "linger"  # still serving its clients
             return ""
         return f"Invalid command {command}"
 

@@ -53,6 +53,8 @@ THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 CONTAINER_ROOT = "/mps"
 CONTAINER_SHM = "/dev/shm"
 COMMAND_TIMEOUT_S = 10.0
+# Unix socket paths hold 107 bytes; the daemon and its servers make sockets in the pipe directory.
+MAX_PIPE_DIR_BYTES = 80
 MAX_RESTART_BACKOFF_S = 30.0
 # Where a containerised driver keeps its libraries (the GPU Operator's /run/nvidia/driver layout).
 _DRIVER_LIB_DIRS = ("usr/lib64", "usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu")
@@ -149,6 +151,11 @@ class MpsDaemon:
 
     def start(self) -> None:
         """Start (or adopt) the daemon and apply its defaults; MpsError says why it could not."""
+        if len(str(self.pipe_dir).encode()) > MAX_PIPE_DIR_BYTES:
+            raise MpsError(
+                f"the MPS pipe directory {self.pipe_dir} is {len(str(self.pipe_dir).encode())} bytes long; the "
+                f"sockets MPS makes there need it under {MAX_PIPE_DIR_BYTES}: use a shorter mpsRoot"
+            )
         for directory in (self.pipe_dir, self.log_dir):
             try:
                 directory.mkdir(parents=True, exist_ok=True)
