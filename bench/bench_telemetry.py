@@ -9,7 +9,10 @@ every tick samples 8 GPUs and ties every process to a pod (each holds one time-s
   0.5 s: CPU seconds per second, and per device per second of sampling (the difference from off,
   divided by devices and by ticks: what one device costs each time it is sampled);
 - the sampler's own tick time (``kxpu_telemetry_sample_duration_seconds``) and one /metrics scrape;
-- the daemon's RSS with telemetry on and off.
+- the daemon's RSS with telemetry on and off;
+- the daemon's CPU with MPS on all 8 GPUs (telemetry off): what supervising 8 control daemons costs
+  (one PID check per GPU per ``checkIntervalSeconds``, 1 s by default; the stand-in daemons' own CPU,
+  which a real node spends in the driver's program instead, is not counted).
 
 The fake NVML answers in Python, so per-call costs differ from the driver's (ioctls); ``hack/gpu-mps-check``
 measures ``sample()`` over the real NVML on a GPU machine.
@@ -19,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -31,6 +37,7 @@ from typing import Any
 from measure import cpu_seconds, report, rss_mb
 
 from kxpu.testing import KubeletStandIn
+from kxpu.testing.fake_mps import install
 from kxpu.testing.fake_nvml import send_control
 from kxpu.testing.process import DaemonProcess
 
@@ -44,7 +51,7 @@ TARGETS = {
 
 
 async def run(
-    base: Path, telemetry: dict[str, Any] | None, processes: int, seconds: float
+    base: Path, telemetry: dict[str, Any] | None, processes: int, seconds: float, mps: bool = False
 ) -> dict[str, float]:
     plugin_dir = base / "dp"
     socket = base / "pr" / "kubelet.sock"
@@ -70,6 +77,13 @@ async def run(
             "podResourcesSocket": str(socket),
             **telemetry,
         }
+    if mps:
+        section = doc["resources"][0]["nvidia"]
+        section["sharing"] = {"mps": {"resources": [{"replicas": max(2, processes)}]}}
+        section.update(
+            nvidiaDriverRoot=str(base / "driver"), mpsRoot=str(base / "mps"), mps={"shmDir": "/dev/shm"}
+        )
+        install(base / "driver")
     config = base / "config.json"
     config.write_text(json.dumps(doc))
     kubelet = KubeletStandIn(plugin_dir, pod_resources_socket=socket)
@@ -135,13 +149,21 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results: dict[str, float] = {}
-    runs = {"off": None, "default": {"intervalSeconds": args.interval}, "fast": {"intervalSeconds": 0.5}}
+    runs: dict[str, tuple[dict[str, Any] | None, bool]] = {
+        "off": (None, False),
+        "default": ({"intervalSeconds": args.interval}, False),
+        "fast": ({"intervalSeconds": 0.5}, False),
+        "mps": (None, True),
+    }
     figures: dict[str, dict[str, float]] = {}
-    for name, telemetry in runs.items():
-        base = Path(tempfile.mkdtemp(prefix="kxpu-bench-", dir="/tmp"))
+    for name, (telemetry, mps) in runs.items():
+        base = Path(tempfile.mkdtemp(prefix="kx-bench-", dir="/tmp"))
         try:
-            figures[name] = asyncio.run(run(base, telemetry, args.processes, args.seconds))
+            figures[name] = asyncio.run(run(base, telemetry, args.processes, args.seconds, mps))
         finally:
+            for pid_file in base.glob("mps/*/pipe/nvidia-cuda-mps-control.pid"):  # the stand-ins
+                with contextlib.suppress(ValueError, OSError):
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
             shutil.rmtree(base, ignore_errors=True)
     off, default, fast = figures["off"], figures["default"], figures["fast"]
     ticks_per_s = 1 / 0.5
@@ -157,6 +179,8 @@ def main() -> int:
     results["scrape_ms"] = fast["scrape_ms"]
     results["rss_mb_telemetry_off"] = off["rss_mb"]
     results["rss_mb_telemetry_on"] = fast["rss_mb"]
+    results["cpu_percent_with_mps_on_8_gpus"] = figures["mps"]["cpu_percent"]
+    results["rss_mb_with_mps_on_8_gpus"] = figures["mps"]["rss_mb"]
     report(
         f"kxpu telemetry, nvidia backend over the fake NVML a100-8x, {args.processes} pods per GPU",
         results,

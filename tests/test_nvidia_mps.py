@@ -411,3 +411,14 @@ def test_the_gpu_check_script_runs_over_the_fake(tmp_path: Path) -> None:
         results["a replica that raises its own limit to 16384 MiB is capped at the daemon's 8192 MiB (±5 %)"]
         == "PASS"
     )
+
+
+def test_the_mps_example_config_loads() -> None:
+    from kxpu.config import load_config
+
+    config = load_config(Path(__file__).resolve().parent.parent / "examples" / "nvidia-mps.yaml")
+    assert config.telemetry.enabled and config.telemetry.events
+    gpu, frac = config.resources
+    assert isinstance(gpu.backend_config, NvidiaConfig) and gpu.backend_config.sharing.mps is not None
+    assert isinstance(frac.backend_config, NvidiaConfig) and frac.backend_config.mps.enabled
+    assert frac.sharing is not None and frac.sharing.split_count == 8
