@@ -29,10 +29,22 @@ from kxpu.sharing.state import ClusterState
 from kxpu.testing.fake_mps import FAIL_ENV, commands, install, read_record
 from kxpu.testing.fake_nvml import FakeNvml
 from kxpu.testing.sharing import FakeCluster, pod
-from tests.nvidia_support import make, next_list
+from tests import nvidia_support
+from tests.nvidia_support import next_list
 from tests.test_sharing_node import sharing
 
 GPU = "nvidia.com/gpu"
+
+
+def make(*args: Any, **kwargs: Any) -> tuple[NvidiaBackend, FakeNvml]:
+    """The backend as the daemon has it once its watch started: MPS running (or its fallback)."""
+    backend, fake = nvidia_support.make(*args, **kwargs)
+    try:
+        backend.start_mps()
+    except BaseException:
+        backend.close()
+        raise
+    return backend, fake
 
 
 @pytest.fixture
@@ -100,6 +112,21 @@ def test_config_follows_nvidias_keys_and_refuses_what_cannot_work() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- replicas
+
+
+def test_listing_devices_never_touches_mps(workdir: Path, driver: Path) -> None:
+    """Built but not watched (``kxpu devices``): no daemon, no compute mode change, nothing allocated."""
+    backend, fake = nvidia_support.make("v100-4x-nvlink", **mps_config(workdir, driver))
+    try:
+        devices = backend.discover()
+        assert {d.health_reason for d in devices} == {"mps-not-running"}
+        with pytest.raises(BackendError, match="MPS is not running yet"):
+            backend.allocate([devices[0]])
+        assert not list((workdir / "mps").glob("*/pipe/*"))
+        assert all(g.compute_mode == pynvml.NVML_COMPUTEMODE_DEFAULT for g in fake.gpus)
+    finally:
+        backend.close()
+    assert not list((workdir / "mps").glob("*/pipe/*"))
 
 
 async def test_replicas_get_their_gpus_daemon_capped_at_an_equal_share(workdir: Path, driver: Path) -> None:

@@ -99,6 +99,9 @@ class NvidiaBackend(Backend):
         self._closed = False
         self._nvml_lock = threading.Lock()  # sample() against close(): never query a shut-down NVML
         self.mps: MpsManager | None = None
+        # MPS: None until start_mps() ran; "running", or "fallback" when onUnavailable let it go without
+        self._mps_state: str | None = None
+        self._mps_lock = threading.Lock()
         self._compute_modes: dict[str, int] = {}  # GPU → compute mode before kxpu set EXCLUSIVE_PROCESS
         self._listeners: set[Callable[[], None]] = set()
         self._listeners_lock = threading.Lock()
@@ -123,11 +126,13 @@ class NvidiaBackend(Backend):
                 self.nvml, served, policy, config.health.recovery, self._notify, wait_ms=event_wait_ms
             )
         self.sampler = GpuSampler(self.nvml, served, self.monitor)
+        self._served = served
+        self._mps_wanted = bool(config.mps_active and served)
         try:
+            if self._mps_wanted:
+                self._check_mps(served)
             if config.hami_core is not None and config.hami_core.preload:
                 self._write_preload_file()
-            if config.mps_active and served:
-                self._start_mps(served)
         except BaseException:
             self._shutdown_nvml()
             raise
@@ -164,8 +169,8 @@ class NvidiaBackend(Backend):
                     self.nvml.nvmlShutdown()
 
     # ------------------------------------------------------------------ MPS
-    def _start_mps(self, served: Sequence[GpuInfo]) -> None:
-        """Checks that hold whatever the operator chose, then the daemons (or the chosen fallback)."""
+    def _check_mps(self, served: Sequence[GpuInfo]) -> None:
+        """What no fallback can fix, refused when the backend is built."""
         for gpu in served:
             if gpu.mig_enabled or any(u.mig for u in self.units if u.gpu.uuid == gpu.uuid):
                 raise BackendError(
@@ -180,8 +185,20 @@ class NvidiaBackend(Backend):
                     f"takes at most {most} clients on compute capability "
                     + ".".join(map(str, gpu.compute_capability or ("?",)))
                 )
+
+    def start_mps(self) -> None:
+        """Start the GPUs' MPS daemons (or the chosen fallback). ``watch()`` calls it before its first list,
+        so listing devices (``kxpu devices``) never touches MPS or compute modes; until it has run the
+        GPUs' devices are unhealthy (``mps-not-running``) and not allocated. Blocks: run it in a thread."""
+        with self._mps_lock:
+            if not self._mps_wanted or self._mps_state is not None or self._closed:
+                return
+            self._start_mps(self._served)
+
+    def _start_mps(self, served: Sequence[GpuInfo]) -> None:
         try:
             self._prepare_mps(served)
+            self._mps_state = "running"
         except MpsError as exc:
             self._restore_compute_modes()
             if self.config.mps.on_unavailable == "fail":
@@ -190,6 +207,7 @@ class NvidiaBackend(Backend):
                     "without MPS: no memory or compute isolation.)"
                 ) from None
             self.mps = None
+            self._mps_state = "fallback"
             log.error(
                 "MPS unavailable; serving the GPUs without it as mps.onUnavailable says: containers are "
                 "NOT isolated from each other",
@@ -377,6 +395,8 @@ class NvidiaBackend(Backend):
         if unit.gpu.error:
             return "discovery-failed"
         uuid = unit.gpu.uuid
+        if self._mps_wanted and self._mps_state is None:
+            return "mps-not-running"
         if self.mps is not None and uuid in self.mps.down():
             return "mps-daemon-down"
         if (uuid, None, None) in faults:
@@ -442,6 +462,8 @@ class NvidiaBackend(Backend):
         with self._listeners_lock:
             self._listeners.add(wake)
         try:
+            if self._mps_wanted:
+                await asyncio.to_thread(self.start_mps)
             if self.monitor is not None and not self.monitor.running:
                 await asyncio.to_thread(self.monitor.start)
             self._write_labels()
@@ -479,7 +501,9 @@ class NvidiaBackend(Backend):
 
     @property
     def _strategy(self) -> str:
-        return "mps" if self.mps is not None and self.config.sharing.mps is not None else "time-slicing"
+        return (
+            "mps" if self.config.sharing.mps is not None and self._mps_state != "fallback" else "time-slicing"
+        )
 
     def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
         units = self._units(devices)
@@ -488,6 +512,8 @@ class NvidiaBackend(Backend):
             raise BackendError(
                 f"maximum request size for shared resources is 1, got {len(units)} (failRequestsGreaterThanOne)"
             )
+        if self._mps_wanted and self._mps_state is None:
+            raise BackendError("MPS is not running yet on this resource's GPUs")
         edits = self._visible_edits(units)
         if self.mps is not None:
             self._mps_edits(units, edits)
@@ -631,9 +657,12 @@ class NvidiaBackend(Backend):
         if path is not None:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        if self.mps is not None:
-            exited = self.mps.stop()
-            self._restore_compute_modes(only=exited)  # a daemon still serving clients keeps its GPU's mode
+        with self._mps_lock:  # not while start_mps() is under way in the watch's thread
+            if self.mps is not None:
+                exited = self.mps.stop()
+                self._restore_compute_modes(
+                    only=exited
+                )  # a daemon still serving clients keeps its GPU's mode
         if self.monitor is not None:
             self.monitor.stop(on_exit=self._shutdown_nvml)
         else:
