@@ -49,6 +49,9 @@ def rig(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, e2e: E2E) -> Iterator[d
     fail = tmp_path / "mps-fail"  # while it exists, the stand-in refuses to start (a restart keeps failing)
     monkeypatch.setenv(FAIL_FILE_ENV, str(fail))
     yield {"control": control, "driver": driver, "mps": mps, "fail": fail}
+    for daemon in e2e.daemons:  # first kxpu, or it would start the daemons again
+        with contextlib.suppress(Exception):
+            daemon.stop()
     for path in mps.glob("*/pipe/nvidia-cuda-mps-control.pid"):  # nothing of ours outlives the test
         with contextlib.suppress(ValueError, OSError):
             os.kill(int(path.read_text()), signal.SIGKILL)
