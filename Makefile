@@ -46,6 +46,7 @@ demo-standin: dev
 bench: dev
 	$(BIN)/python bench/bench_daemon.py
 	$(BIN)/python bench/bench_nvidia.py
+	$(BIN)/python bench/bench_telemetry.py
 
 ## Regenerate kxpu/api from its .proto files (committed; `lint` checks they are current).
 proto: dev

@@ -154,8 +154,17 @@ def plugin(
     def reload() -> Config:
         return load_config(config_path, device_plugin_dir)
 
+    events = _grant_events() if config.telemetry.enabled and config.telemetry.events else None
+
     async def serve() -> int:
-        daemon = Daemon(config, reload, _build, http_address or None, dra=lambda *args: _dra(daemon, *args))
+        daemon = Daemon(
+            config,
+            reload,
+            _build,
+            http_address or None,
+            dra=lambda *args: _dra(daemon, *args),
+            on_grant_exceeded=events,
+        )
         return await daemon.run()
 
     sys.exit(asyncio.run(serve()))
@@ -186,6 +195,32 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         kube,
         resource.dra.unhealthy,
     )
+
+
+def _grant_events() -> Any:
+    """A Warning event on the pod whose container exceeds its grant (telemetry.events), through the API
+    server (lightkube is imported only then; the node daemon needs events: create)."""
+    from kxpu.daemon.telemetry import GrantExceeded
+    from kxpu.kube.client import make_client, post_event
+
+    clients: list[Any] = []
+
+    async def post(event: GrantExceeded) -> None:
+        if not clients:  # made on the loop, on first use
+            clients.append(make_client())
+        usage = event.usage
+        await post_event(
+            clients[0],
+            "Pod",
+            usage.namespace,
+            usage.pod,
+            usage.pod_uid or None,
+            "KxpuGrantExceeded",
+            event.message,
+            "kxpu-node",
+        )
+
+    return post
 
 
 def device_to_json(device: Device) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from kxpu.sharing.config import SharingConfig
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
+DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+KUBELET_CHECKPOINT = "kubelet_internal_checkpoint"
 
 # The kubelet's rules for an extended resource name (v1helper.IsExtendedResourceName):
 # "domain/name", not in the kubernetes.io domains, not "requests.*", and "requests.<name>"
@@ -168,6 +170,32 @@ class ResourceConfig(_Model):
         return {**rest, "backend": key, "backend_config": parsed}
 
 
+class TelemetryConfig(_Model):
+    """``telemetry:``: sample backends that can measure their devices, and say which pod uses what.
+
+    Processes are tied to pods through ``<hostRoot>/proc/<pid>/cgroup`` (the host's PID namespace: run
+    the daemon with hostPID, or mount the host's / at hostRoot), the kubelet's device checkpoint in the
+    device-plugin directory and its PodResources API. See docs/telemetry.md."""
+
+    enabled: bool = False
+    interval_seconds: float = Field(default=10.0, ge=0.1, le=3600)
+    host_root: Path = Path("/")
+    pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET
+    kubelet_checkpoint: Path | None = Field(
+        default=None, description="default: <devicePluginDir>/kubelet_internal_checkpoint"
+    )
+    events: bool = Field(
+        default=False, description="a Warning event on a pod whose container exceeds its grant (API access)"
+    )
+
+    @field_validator("host_root", "pod_resources_socket", "kubelet_checkpoint")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"{value} must be an absolute path")
+        return value
+
+
 class Config(_Model):
     version: Literal["v1"]
     device_plugin_dir: Path = DEFAULT_DEVICE_PLUGIN_DIR
@@ -178,6 +206,11 @@ class Config(_Model):
         default=DEFAULT_PLUGINS_REGISTRY_DIR, description="DRA: where the kubelet finds registration sockets"
     )
     resources: list[ResourceConfig] = Field(min_length=1)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @property
+    def kubelet_checkpoint(self) -> Path:
+        return self.telemetry.kubelet_checkpoint or self.device_plugin_dir / KUBELET_CHECKPOINT
 
     @field_validator("resources")
     @classmethod

@@ -24,11 +24,32 @@ import grpc
 
 from kxpu.api.podresources.v1 import api_pb2 as podres
 from kxpu.api.podresources.v1 import api_pb2_grpc as podres_grpc
+from kxpu.config import DEFAULT_POD_RESOURCES_SOCKET as DEFAULT_POD_RESOURCES_SOCKET  # the CLI's default
 
 if TYPE_CHECKING:
     from lightkube import AsyncClient
 
-DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+
+@dataclass
+class HolderUse:
+    """What one holder's processes use of the device, from the daemon's telemetry."""
+
+    holder: str  # namespace/pod/container
+    pids: list[int]
+    memory_used_bytes: int | None
+    memory_granted_bytes: int | None
+    compute_utilization: float | None
+    over_grant: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "holder": self.holder,
+            "pids": self.pids,
+            "memoryUsedBytes": self.memory_used_bytes,
+            "memoryGrantedBytes": self.memory_granted_bytes,
+            "computeUtilization": self.compute_utilization,
+            "overGrant": self.over_grant,
+        }
 
 
 @dataclass
@@ -39,6 +60,12 @@ class DeviceStatus:
     reason: str | None = None
     numa_nodes: list[int] = field(default_factory=list)
     holders: list[str] = field(default_factory=list)  # namespace/pod/container
+    uuid: str | None = None
+    # from the daemon's telemetry, when it is on and the backend measures its devices
+    compute_utilization: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    use: list[HolderUse] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -48,6 +75,11 @@ class DeviceStatus:
             "reason": self.reason,
             "numa_nodes": self.numa_nodes,
             "holders": self.holders,
+            "uuid": self.uuid,
+            "computeUtilization": self.compute_utilization,
+            "memoryUsedBytes": self.memory_used_bytes,
+            "memoryTotalBytes": self.memory_total_bytes,
+            "use": [u.as_json() for u in self.use],
         }
 
 
@@ -95,10 +127,19 @@ async def node_status(pod_resources_socket: Path, daemon_url: str, all_resources
     except grpc.RpcError as exc:
         detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
         errors.append(f"kubelet PodResources API at {pod_resources_socket}: {detail}")
+    telemetry: dict[str, Any] = {}
     try:
-        served = (await asyncio.to_thread(daemon_status, daemon_url)).get("resources", {})
+        doc = await asyncio.to_thread(daemon_status, daemon_url)
+        served = doc.get("resources", {})
+        telemetry = doc.get("telemetry") or {}
     except (OSError, urllib.error.URLError, ValueError) as exc:
         errors.append(f"kxpu daemon at {daemon_url}: {exc}")
+    figures = {(d["resource"], d["uuid"]): d for d in telemetry.get("devices", [])}
+    uses: dict[tuple[str, str, str], dict[str, Any]] = {}  # (resource, uuid, holder) → container use
+    for c in telemetry.get("containers", []):
+        if c.get("pod"):
+            uses[(c["resource"], c["uuid"], f"{c['namespace']}/{c['pod']}/{c['container']}")] = c
+    errors += [f"telemetry: {e}" for e in telemetry.get("errors", [])]
 
     devices: list[DeviceStatus] = []
     for resource, info in sorted(served.items()):
@@ -108,6 +149,9 @@ async def node_status(pod_resources_socket: Path, daemon_url: str, all_resources
             for device_id in claim.get("devices", []):
                 held.setdefault((resource, device_id), []).append(f"claim {claim.get('claim')}")
         for d in info.get("devices", []):
+            uuid = d.get("uuid") or d["id"]
+            figure = figures.get((resource, uuid), {})
+            holders = held.pop((resource, d["id"]), [])
             devices.append(
                 DeviceStatus(
                     resource=resource,
@@ -115,7 +159,23 @@ async def node_status(pod_resources_socket: Path, daemon_url: str, all_resources
                     health=d["health"],
                     reason=d.get("reason"),
                     numa_nodes=d.get("numa_nodes", []),
-                    holders=held.pop((resource, d["id"]), []),
+                    holders=holders,
+                    uuid=d.get("uuid"),
+                    compute_utilization=figure.get("computeUtilization"),
+                    memory_used_bytes=figure.get("memoryUsedBytes"),
+                    memory_total_bytes=figure.get("memoryTotalBytes"),
+                    use=[
+                        HolderUse(
+                            h,
+                            list(u.get("pids", [])),
+                            u.get("memoryUsedBytes"),
+                            u.get("memoryGrantedBytes"),
+                            u.get("computeUtilization"),
+                            bool(u.get("overGrant")),
+                        )
+                        for h in holders
+                        if (u := uses.get((resource, uuid, h))) is not None
+                    ],
                 )
             )
     # Held devices kxpu does not (or no longer) serve: gone devices still in use, or, with
@@ -127,14 +187,46 @@ async def node_status(pod_resources_socket: Path, daemon_url: str, all_resources
     return NodeStatus(devices, phases, errors)
 
 
+def _gib(value: int | None) -> str:
+    return "?" if value is None else f"{value / 2**30:.1f}"
+
+
+def _holder_text(holder: str, use: HolderUse | None) -> str:
+    """``ns/pod/ctr`` and, with telemetry, ``(3.1 of 8.0 GiB, 20%)``; ``OVER GRANT`` when above it."""
+    if use is None:
+        return holder
+    parts = [
+        f"{_gib(use.memory_used_bytes)}"
+        + (f" of {_gib(use.memory_granted_bytes)}" if use.memory_granted_bytes else "")
+        + " GiB"
+    ]
+    if use.compute_utilization is not None:
+        parts.append(f"{round(use.compute_utilization * 100)}%")
+    return f"{holder} ({', '.join(parts)}{', OVER GRANT' if use.over_grant else ''})"
+
+
 def format_table(status: NodeStatus) -> str:
-    rows = [("RESOURCE", "DEVICE", "HEALTH", "NUMA", "HELD BY")]
+    measured = any(
+        d.memory_total_bytes is not None or d.compute_utilization is not None for d in status.devices
+    )
+    head = ("RESOURCE", "DEVICE", "HEALTH", "NUMA", *(("UTIL", "MEMORY GiB") if measured else ()), "HELD BY")
+    rows: list[tuple[str, ...]] = [head]
     for d in status.devices:
         health = d.health + (f" ({d.reason})" if d.reason else "")
         numa = ",".join(map(str, d.numa_nodes)) or "-"
-        rows.append((d.resource, d.id, health, numa, ", ".join(d.holders) or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows]
+        figures: tuple[str, ...] = ()
+        if measured:
+            util = "-" if d.compute_utilization is None else f"{round(d.compute_utilization * 100)}%"
+            memory = (
+                "-"
+                if d.memory_total_bytes is None
+                else f"{_gib(d.memory_used_bytes)}/{_gib(d.memory_total_bytes)}"
+            )
+            figures = (util, memory)
+        by_holder = {u.holder: u for u in d.use}
+        held = ", ".join(_holder_text(h, by_holder.get(h)) for h in d.holders) or "-"
+        rows.append((d.resource, d.id, health, numa, *figures, held))
+    lines = _table(rows)
     for name, phase in sorted(status.phases.items()):
         if phase != "registered":
             lines.append(f"note: {name} is {phase}")

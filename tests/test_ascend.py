@@ -17,7 +17,7 @@ from kxpu.backends.ascend import AscendBackend, AscendConfig
 from kxpu.backends.ascend.dcmi import DcmiSource
 from kxpu.cli import main
 from kxpu.config import ConfigError, load_config
-from kxpu.model import BackendError, Device, Share
+from kxpu.model import BackendError, Device, DeviceShare
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.fake_dcmi import FAKE_DCMI_ENV, FakeDcmi
 
@@ -265,7 +265,7 @@ def test_a_shared_chip_gets_hamis_vnpu_template(
 ) -> None:
     npus = backend(machine("910b-8x"))
     device = npus.discover()[0]
-    edits = npus.allocate([Device(device.id, extra=device.extra, share=Share(memory, 25))])
+    edits = npus.allocate_shares([DeviceShare(device, memory, 25)])
     assert edits.env.get("ASCEND_VNPU_SPECS") == template
     assert "ASCEND_VNPU_SPECS" not in npus.allocate([device]).env
 

@@ -229,9 +229,14 @@ def test_config_rules_for_dra() -> None:
         parse_config({"version": "v1", "resources": [{**base, "cdi": {"enabled": True}}]})
     with pytest.raises(ConfigError, match="DRA driver names must be unique"):
         parse_config(
-            {"version": "v1", "resources": [base, {**base, "name": "example.com/gpu", "dra": {"driverName": DRIVER}}]}
+            {
+                "version": "v1",
+                "resources": [base, {**base, "name": "example.com/gpu", "dra": {"driverName": DRIVER}}],
+            }
         )
-    with pytest.raises(ConfigError, match=r"resources\[0\].dra.driverName: Value error|lowercase DNS subdomain"):
+    with pytest.raises(
+        ConfigError, match=r"resources\[0\].dra.driverName: Value error|lowercase DNS subdomain"
+    ):
         parse_config({"version": "v1", "resources": [{**base, "dra": {"driverName": "Bad_Name"}}]})
     long_dir = "/" + "x" * 90
     with pytest.raises(ConfigError, match="unix sockets allow 107"):

@@ -20,7 +20,9 @@ DRIVER = "npu.example.com"
 NODE = "node-a"
 
 
-def result(device: str, request: str = "npu", pool: str = NODE, driver: str = DRIVER, **extra: Any) -> dict[str, Any]:
+def result(
+    device: str, request: str = "npu", pool: str = NODE, driver: str = DRIVER, **extra: Any
+) -> dict[str, Any]:
     return {"request": request, "driver": driver, "pool": pool, "device": device, **extra}
 
 
@@ -70,7 +72,10 @@ async def test_prepare_writes_one_cdi_device_per_request(rig: Rig) -> None:
     spec = rig.spec(claim.uid)
     assert validate_spec(spec) == []
     env = {d["name"]: d["containerEdits"]["env"] for d in spec["devices"]}
-    assert env == {f"{claim.uid}-npu": ["NPU_VISIBLE_DEVICES=sim-0,sim-1"], f"{claim.uid}-other": ["NPU_VISIBLE_DEVICES=sim-2"]}
+    assert env == {
+        f"{claim.uid}-npu": ["NPU_VISIBLE_DEVICES=sim-0,sim-1"],
+        f"{claim.uid}-other": ["NPU_VISIBLE_DEVICES=sim-2"],
+    }
 
 
 async def test_prepare_is_idempotent_and_survives_a_restart(rig: Rig) -> None:
@@ -91,7 +96,10 @@ async def test_refusals_name_the_problem_and_post_an_event(rig: Rig) -> None:
     cases = {
         "elsewhere": ([result("sim-0", pool="node-b")], "not this node's (node-a)"),
         "unknown": ([result("sim-9")], "device sim-9 is not one of driver npu.example.com's devices"),
-        "foreign": ([result("sim-0", driver="gpu.nvidia.com")], "allocates no device of driver npu.example.com"),
+        "foreign": (
+            [result("sim-0", driver="gpu.nvidia.com")],
+            "allocates no device of driver npu.example.com",
+        ),
     }
     refs = {name: rig.api.add_claim(name, results) for name, (results, _) in cases.items()}
     gone = ClaimRef("default", "uid-gone", "gone")
@@ -139,11 +147,19 @@ async def test_opaque_config_is_validated_and_applied(rig: Rig) -> None:
         return entry
 
     good = {"apiVersion": "kxpu.io/v1alpha1", "kind": "DeviceConfig", "env": {"NPU_LOG": "debug"}}
-    override = {"apiVersion": "kxpu.io/v1alpha1", "kind": "DeviceConfig", "env": {"NPU_LOG": "info", "B": "2"}}
+    override = {
+        "apiVersion": "kxpu.io/v1alpha1",
+        "kind": "DeviceConfig",
+        "env": {"NPU_LOG": "info", "B": "2"},
+    }
     ok = rig.api.add_claim(
         "ok",
         [result("sim-0")],
-        config=[opaque(good, source="FromClass"), opaque(override, ["npu"]), {"opaque": {"driver": "other.x", "parameters": 1}}],
+        config=[
+            opaque(good, source="FromClass"),
+            opaque(override, ["npu"]),
+            {"opaque": {"driver": "other.x", "parameters": 1}},
+        ],
     )
     answers = await rig.preparer.prepare([ok])
     assert answers[ok.uid].error is None
@@ -154,7 +170,10 @@ async def test_opaque_config_is_validated_and_applied(rig: Rig) -> None:
         "kind": ({**good, "kind": "GpuConfig"}, "kind: Input should be 'DeviceConfig'"),
         "bare": ({"env": {}}, "parameters need apiVersion and kind"),
         "name": ({**good, "env": {"A=B": "x"}}, "env name 'A=B'"),
-        "clash": ({**good, "env": {"NPU_VISIBLE_DEVICES": "sim-3"}}, "sets NPU_VISIBLE_DEVICES, which driver"),
+        "clash": (
+            {**good, "env": {"NPU_VISIBLE_DEVICES": "sim-3"}},
+            "sets NPU_VISIBLE_DEVICES, which driver",
+        ),
     }
     refs = {k: rig.api.add_claim(k, [result("sim-1")], config=[opaque(p)]) for k, (p, _) in bad_cases.items()}
     answers = await rig.preparer.prepare(list(refs.values()))

@@ -110,10 +110,15 @@ def test_pools_split_at_the_device_limit_and_withdraw() -> None:
     devices = [Device(id=f"d{i}") for i in range(130)]
     plain = pool_content("npu.example.com", "node-a", devices, 4, "withdraw")
     assert [len(s["devices"]) for s in plain.slices] == [128, 2]
-    assert all(s["pool"] == {"name": "node-a", "generation": 4, "resourceSliceCount": 2} for s in plain.slices)
+    assert all(
+        s["pool"] == {"name": "node-a", "generation": 4, "resourceSliceCount": 2} for s in plain.slices
+    )
     tainted = pool_content("npu.example.com", "node-a", devices, 4, "taint")
     assert [len(s["devices"]) for s in tainted.slices] == [64, 64, 2]
     sick = [devices[0].with_health(Health.UNHEALTHY, "x"), *devices[1:3]]
-    assert [d["name"] for d in pool_content("drv.x", "n", sick, 1, "withdraw").slices[0]["devices"]] == ["d1", "d2"]
+    assert [d["name"] for d in pool_content("drv.x", "n", sick, 1, "withdraw").slices[0]["devices"]] == [
+        "d1",
+        "d2",
+    ]
     empty = pool_content("drv.x", "n", [], 1, "taint")
     assert len(empty.slices) == 1 and empty.slices[0]["devices"] == []

@@ -234,6 +234,17 @@ def test_override_pod_settings(overrides: Rendered) -> None:
     assert pod["automountServiceAccountToken"] is True
 
 
+def test_mps_and_telemetry_settings(helm: Path, default: Rendered) -> None:
+    """hostPID and the MPS /dev/shm only when asked; the shm is the state directory's mps/shm (docs/mps.md)."""
+    ds = daemonsets_by_config(default)["default"]
+    assert "hostPID" not in ds["spec"]["template"]["spec"] and "mps-shm" not in host_paths(ds)
+    rendered = template(helm, "--set", "plugin.hostPID=true", "--set", "plugin.mpsShm=true")
+    ds = daemonsets_by_config(rendered)["default"]
+    assert ds["spec"]["template"]["spec"]["hostPID"] is True
+    assert host_paths(ds)["mps-shm"] == ("/run/kxpu/mps/shm", "/dev/shm", "DirectoryOrCreate")
+    assert host_paths(ds)["state"][:2] == ("/run/kxpu", "/run/kxpu")  # mpsRoot's host path is the daemon's
+
+
 def test_node_label_rbac_is_minimal(overrides: Rendered) -> None:
     role = overrides.one("ClusterRole")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
@@ -268,6 +279,7 @@ def test_service_monitor(overrides: Rendered) -> None:
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     (endpoint,) = sm["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert endpoint["honorLabels"] is True  # telemetry's namespace/pod/container labels are kept
     assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint[
         "relabelings"
     ]

@@ -20,13 +20,13 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
-from kxpu.daemon import metrics
+from kxpu.daemon import metrics, telemetry_metrics
 from kxpu.sharing import extender_metrics, webhook_metrics
 
 GRAFANA = Path(__file__).resolve().parents[1] / "grafana"
 # dashboard file -> (its uid, the metric names it must show and may query)
 DASHBOARDS = {
-    "kxpu-node.json": ("kxpu-node", metrics.METRIC_NAMES),
+    "kxpu-node.json": ("kxpu-node", metrics.METRIC_NAMES | telemetry_metrics.METRIC_NAMES),
     "kxpu-scheduler.json": ("kxpu-scheduler", extender_metrics.METRIC_NAMES | webhook_metrics.METRIC_NAMES),
 }
 ALL_NAMES = frozenset().union(*(names for _, names in DASHBOARDS.values()))
@@ -104,13 +104,14 @@ def exported() -> dict[str, tuple[str, str]]:
 
 def label_names() -> dict[str, set[str]]:
     """kxpu metric family -> its label names (the wrappers keep them in ``_labelnames``; the extender's
-    allocation gauges come from a collector that declares them in CACHE_LABELS)."""
+    allocation gauges and the telemetry gauges come from collectors that declare them in CACHE_LABELS and
+    LABELS)."""
     out = {}
-    for module in (metrics, extender_metrics, webhook_metrics):
+    for module in (metrics, telemetry_metrics, extender_metrics, webhook_metrics):
         for obj in vars(module).values():
             if isinstance(obj, MetricWrapperBase):
                 out[obj._name] = set(obj._labelnames)
-    for name, names in extender_metrics.CACHE_LABELS.items():
+    for name, names in [*extender_metrics.CACHE_LABELS.items(), *telemetry_metrics.LABELS.items()]:
         out[name] = set(names)
     return out
 
@@ -119,6 +120,7 @@ def test_metric_names_match_the_registry() -> None:
     kxpu_families = {f.name for f in REGISTRY.collect() if f.name.startswith("kxpu_")}
     assert kxpu_families == set(ALL_NAMES)
     assert not metrics.METRIC_NAMES & (extender_metrics.METRIC_NAMES | webhook_metrics.METRIC_NAMES)
+    assert not metrics.METRIC_NAMES & telemetry_metrics.METRIC_NAMES
     assert all(n.startswith("kxpu_scheduler_") for n in extender_metrics.METRIC_NAMES)
     assert all(n.startswith("kxpu_webhook_") for n in webhook_metrics.METRIC_NAMES)
 

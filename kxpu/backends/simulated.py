@@ -4,6 +4,11 @@ Health and presence come from an optional JSON state file (``{"sim-npu-1": "Unhe
 "sim-npu-2": "Absent"}``; unlisted devices are healthy), watched with inotify so that a
 change reaches the kubelet at once. A broken state file is logged and ignored: the last
 good state stays in force.
+
+Telemetry (for tests and demos of the daemon's telemetry): ``sample()`` reports every present device,
+idle unless the optional ``telemetryFile`` says otherwise, read at each sample:
+``{"sim-npu-0": {"utilization": 0.4, "memoryUsedMiB": 1024, "processes": [{"pid": 4242,
+"memoryMiB": 1024, "utilization": 0.4}]}}``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -20,12 +26,24 @@ from kxpu.backends.registry import BackendConfig, register_backend
 from kxpu.backends.templates import EnvTemplates, render_env
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
-from kxpu.model import Backend, ContainerEdits, Device, Health, check_device_id, numa_packed
+from kxpu.model import (
+    Backend,
+    BackendError,
+    ContainerEdits,
+    Device,
+    DeviceUsage,
+    Health,
+    ProcessUsage,
+    TelemetrySample,
+    check_device_id,
+    numa_packed,
+)
 
 log = get_logger("kxpu.backends.simulated")
 
 _UUID_NAMESPACE = uuid.UUID("6f1c3a52-8f53-4d1e-9a43-2f7c5b0e9d10")
 _STATES = {"Healthy", "Unhealthy", "Absent"}
+_MIB = 1024 * 1024
 
 
 class SimulatedDevice(BackendConfig):
@@ -43,6 +61,7 @@ class SimulatedConfig(BackendConfig):
     cores: int | None = Field(default=None, ge=1)
     numa_nodes: list[int] | None = None
     state_file: Path | None = None
+    telemetry_file: Path | None = None
     env: EnvTemplates = Field(default_factory=lambda: {"KXPU_VISIBLE_DEVICES": "{ids}"})
     mounts: list[MountConfig] = Field(default_factory=list)
     # Per device index: a different model, memory or core count (IDs stay <model>-<index>).
@@ -144,3 +163,60 @@ class SimulatedBackend(Backend):
         self, available: Sequence[Device], must_include: Sequence[Device], size: int
     ) -> list[str]:
         return numa_packed(available, must_include, size)
+
+    def sample(self) -> TelemetrySample:
+        figures = self._read_telemetry()
+        devices, processes = [], []
+        for device in self.discover():
+            uuid_ = device.uuid or device.id
+            entry = figures.get(device.id, {})
+            memory_mib = self.config.memory_mib
+            try:
+                utilization = float(entry.get("utilization", 0.0))
+                used = int(entry.get("memoryUsedMiB", 0)) * _MIB
+            except (TypeError, ValueError) as exc:
+                raise BackendError(
+                    f"telemetryFile {self.config.telemetry_file}: {device.id}: {exc}"
+                ) from None
+            devices.append(
+                DeviceUsage(
+                    uuid=uuid_,
+                    index=device.index,
+                    model=device.model,
+                    compute_utilization=utilization,
+                    memory_used_bytes=used,
+                    memory_total_bytes=None if memory_mib is None else memory_mib * _MIB,
+                )
+            )
+            try:
+                for proc in entry.get("processes", []):
+                    memory = proc.get("memoryMiB")
+                    compute = proc.get("utilization")
+                    processes.append(
+                        ProcessUsage(
+                            uuid_,
+                            int(proc["pid"]),
+                            None if memory is None else int(memory) * _MIB,
+                            None if compute is None else float(compute),
+                        )
+                    )
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise BackendError(
+                    f"telemetryFile {self.config.telemetry_file}: {device.id}: processes need a pid and numbers "
+                    f"({exc!r})"
+                ) from None
+        return TelemetrySample(tuple(devices), tuple(processes))
+
+    def _read_telemetry(self) -> dict[str, dict[str, Any]]:
+        path = self.config.telemetry_file
+        if path is None:
+            return {}
+        try:
+            raw = json.loads(path.read_text() or "{}")
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise BackendError(f"telemetryFile {path}: {exc}") from None
+        if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+            raise BackendError(f"telemetryFile {path}: must map device IDs to objects")
+        return raw

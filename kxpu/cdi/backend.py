@@ -35,9 +35,11 @@ from kxpu.model import (
     Closable,
     ContainerEdits,
     Device,
+    DeviceShare,
     NodeLabeller,
     PreferredAllocator,
     PreStarter,
+    ShareAllocator,
     Watcher,
 )
 
@@ -140,7 +142,10 @@ class CdiBackend(Backend):
             yield self.discover()
 
     def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
-        edits = self.inner.allocate(devices)
+        return self._named(devices, self.inner.allocate(devices))
+
+    def _named(self, devices: Sequence[Device], edits: ContainerEdits) -> ContainerEdits:
+        """The inner backend's edits for ``devices``, less what the spec injects, plus the CDI names."""
         missing = [d.id for d in devices if d.id not in self._per_device]
         if missing:
             raise BackendError(f"not in the CDI spec {self.spec_path}: {', '.join(missing)}")
@@ -185,6 +190,14 @@ class _PreStart:
         self.inner.pre_start(devices)
 
 
+class _Shares:
+    inner: Backend
+
+    def allocate_shares(self, shares: Sequence[DeviceShare]) -> ContainerEdits:
+        assert isinstance(self.inner, ShareAllocator) and isinstance(self, CdiBackend)
+        return self._named([s.device for s in shares], self.inner.allocate_shares(shares))
+
+
 class _Labels:
     inner: Backend
 
@@ -206,6 +219,7 @@ def with_cdi(
             (PreferredAllocator, _Preferred),
             (PreStarter, _PreStart),
             (NodeLabeller, _Labels),
+            (ShareAllocator, _Shares),
         )
         if isinstance(inner, capability)
     )

@@ -7,7 +7,7 @@ import contextlib
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
@@ -18,6 +18,9 @@ from kxpu.daemon.resource import BackendFactory, DraFactory, Phase, ResourceRunn
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
+
+if TYPE_CHECKING:
+    from kxpu.daemon.telemetry import ExceededHandler, SourceView, TelemetrySampler
 
 log = get_logger("kxpu.daemon")
 
@@ -40,10 +43,13 @@ class Daemon:
         build: BackendFactory,
         http_address: str | None = None,
         dra: DraFactory | None = None,
+        on_grant_exceeded: ExceededHandler | None = None,
     ) -> None:
         self.config = config
         self._dra = dra
         self.http_address = http_address
+        self._on_grant_exceeded = on_grant_exceeded
+        self._telemetry: TelemetrySampler | None = None
         self._reload_config = reload_config
         self._build = build
         self._running: dict[str, _Running] = {}
@@ -76,12 +82,13 @@ class Daemon:
                 self._start(resource)
             self._watcher = asyncio.create_task(self._watch_plugin_dir())
             resync = asyncio.create_task(self._resync())
+            background = [self._watcher, resync, *self._start_telemetry()]
             await self._stop.wait()
             log.info("stopping")
-            for task in (self._watcher, resync):
+            for task in background:
                 task.cancel()
             await self._stop_all(list(self._running))
-            for task in (self._watcher, resync):
+            for task in background:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         finally:
@@ -94,6 +101,27 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _start_telemetry(self) -> list[asyncio.Task[None]]:
+        """The sampler (imported only when on: it registers its metrics). Turning telemetry on or off
+        takes a restart; a reload changes its interval and paths."""
+        if not self.config.telemetry.enabled:
+            return []
+        from kxpu.daemon.telemetry import TelemetrySampler
+
+        self._telemetry = TelemetrySampler(
+            lambda: self.config, self._telemetry_sources, self._on_grant_exceeded
+        )
+        return [asyncio.create_task(self._telemetry.run(), name="telemetry")]
+
+    def _telemetry_sources(self) -> list[SourceView]:
+        from kxpu.daemon.telemetry import SourceView
+
+        return [
+            SourceView(name, r.runner.backend, dict(r.runner.snapshot.devices))
+            for name, r in list(self._running.items())
+            if r.runner.backend is not None and r.runner.phase not in (Phase.FAILED, Phase.STOPPED)
+        ]
 
     def _start(self, resource: ResourceConfig) -> None:
         runner = ResourceRunner(resource, self.config.device_plugin_dir, self._build, self._dra)
@@ -139,7 +167,10 @@ class Daemon:
             }
             if runner.dra is not None:
                 resources[name]["dra"] = runner.dra.describe()
-        return {"devicePluginDir": str(self.config.device_plugin_dir), "resources": resources}
+        doc: dict[str, Any] = {"devicePluginDir": str(self.config.device_plugin_dir), "resources": resources}
+        if self._telemetry is not None:
+            doc["telemetry"] = self._telemetry.status()
+        return doc
 
     def _poke_all(self) -> None:
         for running in self._running.values():

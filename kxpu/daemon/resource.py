@@ -27,7 +27,7 @@ from kxpu.daemon.registration import FileIdentity, file_identity, register
 from kxpu.daemon.servicer import DevicePluginServicer, DeviceSnapshot
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.logs import get_logger
-from kxpu.model import Backend, Closable, Device, Watcher
+from kxpu.model import Backend, BackendError, Closable, Device, Watcher
 from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.daemon.resource")
@@ -117,6 +117,7 @@ class ResourceRunner:
         self._phase = Phase.STARTING
         self.registrations = 0
         self.snapshot = DeviceSnapshot()
+        self.backend: Backend | None = None  # while the resource runs (telemetry samples it)
         self._poked = asyncio.Event()
         self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
         self.log = log.bind(resource=config.name)
@@ -160,7 +161,9 @@ class ResourceRunner:
                         "resource failed; retrying",
                         error=f"{type(exc).__name__}: {exc}",
                         retry_in_s=delay,
-                        exc_info=not isinstance(exc, grpc.RpcError | OSError),
+                        exc_info=not isinstance(
+                            exc, grpc.RpcError | OSError | BackendError
+                        ),  # a message, not a bug
                     )
                     await asyncio.sleep(delay)
         finally:
@@ -169,6 +172,7 @@ class ResourceRunner:
 
     async def _run_once(self) -> None:
         backend = await self._build_backend()
+        self.backend = backend
         try:
             self.snapshot = DeviceSnapshot()
             await self._update(await asyncio.to_thread(backend.discover))
@@ -188,6 +192,7 @@ class ResourceRunner:
                     tasks.create_task(self._follow(backend))
                 tasks.create_task(self._serve_and_register(servicer))
         finally:
+            self.backend = None
             if isinstance(backend, Closable):
                 await asyncio.to_thread(backend.close)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from kxpu.model.device import Device
 from kxpu.model.edits import ContainerEdits
+from kxpu.model.telemetry import TelemetrySample
 
 
 class BackendError(Exception):
@@ -86,6 +87,61 @@ class NodeLabeller(Protocol):
     """Knows node labels describing its devices (GPU Feature Discovery style); ``kxpu devices`` shows them."""
 
     def node_labels(self) -> dict[str, str]: ...
+
+
+@runtime_checkable
+class TelemetrySource(Protocol):
+    """Can tell how busy its devices are and which processes use them (``kxpu.model.telemetry``).
+
+    ``sample()`` may block briefly (it runs in a worker thread, on the daemon's interval); figures the
+    backend cannot read are left ``None``. It must be safe to call while the backend is being closed
+    (answer what is known, or raise ``BackendError``)."""
+
+    def sample(self) -> TelemetrySample: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceShare:
+    """Part of one device for one container, as a scheduler granted it: memory in MiB, compute in percent
+    (0: no compute limit, 100: the whole device)."""
+
+    device: Device
+    memory_mib: int
+    cores: int
+
+
+@runtime_checkable
+class ShareAllocator(Protocol):
+    """Can enforce a container's share of a device itself (NVIDIA MPS limits, say). A wrapper that knows the
+    shares (fractional sharing) calls ``allocate_shares`` instead of ``allocate``; the edits are the same
+    as ``allocate``'s for those devices, plus whatever makes the limits hold."""
+
+    def allocate_shares(self, shares: Sequence[DeviceShare]) -> ContainerEdits: ...
+
+
+@runtime_checkable
+class Wrapper(Protocol):
+    """Decorates another backend (CDI, fractional sharing): ``inner`` is the one it wraps."""
+
+    inner: Backend
+
+
+_C = TypeVar("_C")
+
+
+def find_capability(backend: Backend, capability: type[_C]) -> _C | None:
+    """The outermost of ``backend`` and the backends it wraps that offers ``capability``.
+
+    For capabilities a wrapper need not translate (telemetry is about physical devices, which wrappers
+    leave alone), so that every wrapper does not have to forward them."""
+    seen: set[int] = set()
+    current: object = backend
+    while current is not None and id(current) not in seen:
+        if isinstance(current, capability):
+            return current
+        seen.add(id(current))
+        current = getattr(current, "inner", None) if isinstance(current, Wrapper) else None
+    return None
 
 
 @dataclass(frozen=True, slots=True)

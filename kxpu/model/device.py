@@ -33,18 +33,6 @@ def check_device_id(device_id: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Share:
-    """The part of one device a container was granted under fractional sharing.
-
-    Set only on the devices handed to ``allocate`` by the sharing wrapper, so a backend can add
-    its vendor's own limits (a vNPU template, an in-container quota) to the edits.
-    """
-
-    memory_mib: int
-    cores_percent: int  # of the whole device; 100 = all of it
-
-
-@dataclass(frozen=True, slots=True)
 class Device:
     """An allocatable unit as the kubelet counts it (a whole device, or one share of it).
 
@@ -65,7 +53,6 @@ class Device:
     extra: Mapping[str, str | int | bool] = field(default_factory=dict)
     # Why the device is unhealthy (e.g. "xid-79", "state-file"): counted in metrics, shown in logs.
     health_reason: str | None = None
-    share: Share | None = None
 
     def __post_init__(self) -> None:
         check_device_id(self.id)

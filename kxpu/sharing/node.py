@@ -12,7 +12,9 @@
   must carry a valid signature for this pod UID and node, be recent, and give the next
   container devices whose slots the kubelet offers. The answer is the vendor's edits for
   the parent devices plus the visible UUIDs, ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` (``3000m``)
-  and ``CUDA_DEVICE_SM_LIMIT`` (HAMi-core's names) and configured env and mounts. A
+  and ``CUDA_DEVICE_SM_LIMIT`` (HAMi-core's names) and configured env and mounts; a vendor
+  backend that enforces shares itself (``ShareAllocator``: NVIDIA MPS) is handed the grants,
+  and the grants are recorded as the ``kxpu.io/grants`` annotation for telemetry. A
   missing, stale, forged or mismatched assignment is refused with a message naming the
   pod and the reason, and a Warning event on the pod.
 
@@ -41,14 +43,18 @@ from typing import Any, Protocol
 
 from kxpu.logs import get_logger
 from kxpu.model import (
+    GRANT_ANNOTATION,
     Backend,
     BackendError,
     Closable,
     ContainerEdits,
     Device,
+    DeviceShare,
+    Grant,
     Mount,
-    Share,
+    ShareAllocator,
     Watcher,
+    encode_grants,
     numa_packed,
 )
 from kxpu.sharing import inventory, signing
@@ -60,6 +66,7 @@ from kxpu.timeouts import wait_event
 log = get_logger("kxpu.sharing.node")
 
 SLOT_SEPARATOR = "::"
+MIB = 1024 * 1024
 _STEERED_REUSE_S = 1.0  # how long GetPreferredAllocation's verified pod serves the Allocate after it
 
 
@@ -365,13 +372,13 @@ class SharingBackend(Backend):
         return edits
 
     def _edits(self, container: ContainerAssignment) -> ContainerEdits:
-        # Each device narrowed to this container's grant, so the vendor backend can add its own limits.
-        parents = [
-            replace(self._parents[g.device], share=Share(g.memory_mib, g.cores))
-            for g in container.devices
-            if g.device in self._parents
-        ]
-        base = self.inner.allocate(parents)
+        granted = [g for g in container.devices if g.device in self._parents]
+        if isinstance(self.inner, ShareAllocator):  # the vendor enforces the grant itself (MPS limits)
+            base = self.inner.allocate_shares(
+                [DeviceShare(self._parents[g.device], g.memory_mib, g.cores) for g in granted]
+            )
+        else:
+            base = self.inner.allocate([self._parents[g.device] for g in granted])
         env = {self.config.visible_devices_env: ",".join(g.uuid for g in container.devices)}
         for i, grant in enumerate(container.devices):
             env[self.config.memory_limit_env.replace("{i}", str(i))] = f"{grant.memory_mib}m"
@@ -380,7 +387,12 @@ class SharingBackend(Backend):
             env[self.config.core_limit_env] = str(cores)
         env.update(self.config.env)
         mounts = [Mount(m.container_path, m.host_path, m.read_only) for m in self.config.mounts]
-        return ContainerEdits(env=env, mounts=mounts).merge(base)
+        # What the container was granted, kept by the kubelet with the container: telemetry compares it
+        # with what the container uses.
+        grants = encode_grants(
+            [Grant(g.uuid, g.memory_mib * MIB, g.cores / 100 if g.cores else None) for g in container.devices]
+        )
+        return ContainerEdits(env=env, mounts=mounts, annotations={GRANT_ANNOTATION: grants}).merge(base)
 
     async def _finish(self, lock: NodeLock) -> None:
         try:

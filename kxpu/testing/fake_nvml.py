@@ -11,6 +11,15 @@ raises ``NVML_ERROR_TIMEOUT``, so the backend's health thread runs as it would o
 Faults are injected in-process (``inject_xid``, ``lose_gpu``, ``fail_event_wait``…) or,
 for a daemon in another process started with ``KXPU_FAKE_NVML=<profile>``, through the
 unix datagram socket named by ``KXPU_FAKE_NVML_CONTROL`` (see ``send_control``).
+
+What telemetry reads is there too, with the binding's shapes: running processes as the
+binding's ``nvmlFriendlyObject`` of ``c_nvmlProcessInfo_v3_t`` fields (``usedGpuMemory`` None
+when the driver says "not available"; ``gpuInstanceId`` 0xFFFFFFFF outside MIG), MPS clients
+listed apart from other processes (``nvmlDeviceGetMPSComputeRunningProcesses``), utilization as
+``c_nvmlUtilization_t`` (NOT_SUPPORTED while MIG is on), per-process SM samples newer than a
+timestamp (NOT_FOUND when there are none), power in milliwatts, temperature, clocks in MHz,
+ECC totals, and the compute mode (setting it needs root: NO_PERMISSION otherwise). Tests set
+them with ``set_processes`` / ``set_telemetry`` or the ``processes`` / ``telemetry`` control ops.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import uuid as uuidlib
 import weakref
 from collections import deque
@@ -57,6 +67,18 @@ class FakeMig:
 
 
 @dataclass
+class FakeProcess:
+    """A process with a context on a GPU (``mps``: a client of an MPS server), as NVML lists it."""
+
+    pid: int
+    memory_mib: int | None = None  # None: NVML_VALUE_NOT_AVAILABLE, as on some platforms
+    mps: bool = False
+    sm_util: int | None = None  # percent of the GPU over the last sample period; None: no sample
+    gi: int | None = None  # MIG GPU/compute instance the process runs in
+    ci: int | None = None
+
+
+@dataclass
 class FakeGpu:
     name: str
     uuid: str
@@ -74,6 +96,22 @@ class FakeGpu:
     max_mig_devices: int = 7
     nvlinks: list[str | None] = field(default_factory=list)  # remote PCI bus id per link; None = down
     lost: bool = False
+    # What telemetry reads (settable with set_telemetry / set_processes).
+    compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
+    processes: list[FakeProcess] = field(default_factory=list)
+    utilization: tuple[int, int] = (0, 0)  # (gpu, memory) percent
+    power_mw: int = 62000
+    temperature_c: int = 34
+    clocks_mhz: dict[int, int] = field(
+        default_factory=lambda: {
+            pynvml.NVML_CLOCK_GRAPHICS: 210,
+            pynvml.NVML_CLOCK_SM: 210,
+            pynvml.NVML_CLOCK_MEM: 1593,
+            pynvml.NVML_CLOCK_VIDEO: 795,
+        }
+    )
+    ecc_supported: bool = True
+    ecc_errors: dict[tuple[int, int], int] = field(default_factory=dict)  # (error type, counter type) → count
 
 
 @dataclass
@@ -83,6 +121,7 @@ class MachineProfile:
     driver_version: str = "550.54.15"
     cuda_driver_version: int = 12040
     init_error: int | None = None  # an NVML_ERROR_* code nvmlInit raises (no driver, no library, …)
+    privileged: bool = True  # as root: settings (compute mode) may be changed
 
 
 # --------------------------------------------------------------------------- profiles
@@ -396,7 +435,8 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle, version: int | None = None) -> Any:
         gpu = self._gpu(handle)
         total = (self._mig(handle).memory_mib if handle.mig is not None else gpu.memory_mib) * MIB
-        return pynvml.c_nvmlMemory_t(total=total, free=total - 512 * MIB, used=512 * MIB)
+        used = min(total, 512 * MIB + sum((p.memory_mib or 0) * MIB for p in self._processes_of(handle, gpu)))
+        return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
 
     def nvmlDeviceGetPciInfo(self, handle: FakeHandle) -> Any:
         gpu = self._gpu(handle)
@@ -473,6 +513,110 @@ class FakeNvml:
             computeInstanceSliceCount=mig.ci_slices,
             memorySizeMB=mig.memory_mib,
         )
+
+    # ------------------------------------------------------------------ telemetry and compute mode
+    def _whole(self, handle: FakeHandle) -> FakeGpu:
+        """A query that whole GPUs answer and MIG device handles do not."""
+        gpu = self._gpu(handle)
+        if handle.mig is not None:
+            self._mig(handle)
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def _processes_of(self, handle: FakeHandle, gpu: FakeGpu) -> list[FakeProcess]:
+        if handle.mig is None:
+            return list(gpu.processes)
+        mig = self._mig(handle)
+        return [p for p in gpu.processes if (p.gi, p.ci) == (mig.gi, mig.ci)]
+
+    def _process_list(self, handle: FakeHandle, mps: bool) -> list[Any]:
+        gpu = self._gpu(handle)
+        out = []
+        for p in self._processes_of(handle, gpu):
+            if p.mps != mps:
+                continue
+            info = pynvml.c_nvmlProcessInfo_v3_t(
+                pid=p.pid,
+                usedGpuMemory=pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+                if p.memory_mib is None
+                else p.memory_mib * MIB,
+                gpuInstanceId=NO_INSTANCE if p.gi is None else p.gi,
+                computeInstanceId=NO_INSTANCE if p.ci is None else p.ci,
+            )
+            obj = pynvml.nvmlStructToFriendlyObject(info)  # what the binding hands back
+            if obj.usedGpuMemory == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
+                obj.usedGpuMemory = None
+            out.append(obj)
+        return out
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> list[Any]:
+        return self._process_list(handle, mps=False)
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: FakeHandle) -> list[Any]:
+        return self._process_list(handle, mps=True)
+
+    def nvmlDeviceGetProcessUtilization(self, handle: FakeHandle, timeStamp: int) -> list[Any]:
+        gpu = self._gpu(handle)
+        if gpu.mig_enabled:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        now_us = int(time.time() * 1_000_000)
+        samples = [
+            pynvml.c_nvmlProcessUtilizationSample_t(
+                pid=p.pid, timeStamp=now_us, smUtil=p.sm_util, memUtil=0, encUtil=0, decUtil=0
+            )
+            for p in gpu.processes
+            if p.sm_util is not None and now_us > timeStamp
+        ]
+        if not samples:
+            raise _err(pynvml.NVML_ERROR_NOT_FOUND)  # no sample newer than timeStamp
+        return samples
+
+    def nvmlDeviceGetUtilizationRates(self, handle: FakeHandle) -> Any:
+        gpu = self._whole(handle)
+        if gpu.mig_enabled:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return pynvml.c_nvmlUtilization_t(gpu=gpu.utilization[0], memory=gpu.utilization[1])
+
+    def nvmlDeviceGetPowerUsage(self, handle: FakeHandle) -> int:
+        return self._whole(handle).power_mw
+
+    def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:
+        gpu = self._whole(handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.temperature_c
+
+    def nvmlDeviceGetClockInfo(self, handle: FakeHandle, type: int) -> int:
+        gpu = self._whole(handle)
+        if type not in gpu.clocks_mhz:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.clocks_mhz[type]
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: FakeHandle, errorType: int, counterType: int) -> int:
+        gpu = self._gpu(handle)
+        if errorType not in (0, 1) or counterType not in (0, 1):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not gpu.ecc_supported:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.ecc_errors.get((errorType, counterType), 0)
+
+    def nvmlDeviceGetComputeMode(self, handle: FakeHandle) -> int:
+        return self._whole(handle).compute_mode
+
+    def nvmlDeviceSetComputeMode(self, handle: FakeHandle, mode: int) -> None:
+        gpu = self._whole(handle)
+        if not self.profile.privileged:
+            raise _err(pynvml.NVML_ERROR_NO_PERMISSION)
+        if mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # support removed from the driver
+        if mode not in (
+            pynvml.NVML_COMPUTEMODE_DEFAULT,
+            pynvml.NVML_COMPUTEMODE_PROHIBITED,
+            pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
+        ):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._count("nvmlDeviceSetComputeMode")
+        gpu.compute_mode = mode
 
     # ------------------------------------------------------------------ topology
     def nvmlDeviceGetTopologyCommonAncestor(self, a: FakeHandle, b: FakeHandle) -> int:
@@ -588,6 +732,31 @@ class FakeNvml:
     def restore_gpu(self, gpu: int) -> None:
         self.gpus[gpu].lost = False
 
+    def set_processes(self, gpu: int, processes: list[FakeProcess]) -> None:
+        """Replace what runs on GPU ``gpu`` (compute and MPS clients)."""
+        self.gpus[gpu].processes = list(processes)
+
+    def set_telemetry(
+        self,
+        gpu: int,
+        utilization: tuple[int, int] | None = None,
+        power_mw: int | None = None,
+        temperature_c: int | None = None,
+        clocks_mhz: dict[int, int] | None = None,
+        ecc: dict[tuple[int, int], int] | None = None,
+    ) -> None:
+        target = self.gpus[gpu]
+        if utilization is not None:
+            target.utilization = utilization
+        if power_mw is not None:
+            target.power_mw = power_mw
+        if temperature_c is not None:
+            target.temperature_c = temperature_c
+        if clocks_mhz is not None:
+            target.clocks_mhz.update(clocks_mhz)
+        if ecc is not None:
+            target.ecc_errors.update(ecc)
+
     def fail_event_wait(self, code: int | None = pynvml.NVML_ERROR_UNKNOWN) -> None:
         """Make every nvmlEventSetWait fail with ``code`` (None: work again)."""
         with self._lock:
@@ -659,6 +828,31 @@ class FakeNvml:
             self.restore_gpu(int(message["gpu"]))
         elif op == "fail-wait":
             self.fail_event_wait(message.get("code", pynvml.NVML_ERROR_UNKNOWN))
+        elif op == "processes":
+            self.set_processes(
+                int(message["gpu"]),
+                [
+                    FakeProcess(
+                        int(p["pid"]),
+                        p.get("memoryMiB"),
+                        bool(p.get("mps", False)),
+                        p.get("smUtil"),
+                        p.get("gi"),
+                        p.get("ci"),
+                    )
+                    for p in message.get("processes", [])
+                ],
+            )
+        elif op == "telemetry":
+            utilization = message.get("utilization")
+            self.set_telemetry(
+                int(message["gpu"]),
+                utilization=(int(utilization[0]), int(utilization[1])) if utilization is not None else None,
+                power_mw=message.get("powerMw"),
+                temperature_c=message.get("temperatureC"),
+            )
+        elif op == "compute-mode":
+            self.gpus[int(message["gpu"])].compute_mode = int(message["mode"])
         else:
             raise ValueError(f"unknown op {op!r}")
 

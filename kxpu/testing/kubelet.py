@@ -5,15 +5,23 @@ the plugin back and calls ``GetDevicePluginOptions`` *before* answering (the syn
 dance that breaks naive plugins), then consumes ``ListAndWatch`` in the background where
 each message replaces the resource's device set. ``restart()`` does what a kubelet start
 does to the directory: delete every unix socket, then listen on a fresh ``kubelet.sock``.
+
+Allocations made for a named pod are remembered as the kubelet does: for the PodResources API, and
+in the device checkpoint ``kubelet_internal_checkpoint`` in the plugin directory (pod UID, container
+name, resource, device IDs by NUMA node, the Allocate response in base64), which the daemon's
+telemetry reads. The stand-in writes no real ``Checksum`` (kxpu never checks it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import os
 import stat
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +124,11 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
         self.plugin_dir = plugin_dir
         self.pod_resources_socket = pod_resources_socket
         self.assignments: PodAssignments = {}
+        self.pod_uids: dict[tuple[str, str], str] = {}  # (namespace, pod) → UID, as the API server gave it
+        self.responses: dict[
+            tuple[str, str, str, str], bytes
+        ] = {}  # (ns, pod, container, resource) → Allocate
+        self.checkpoint = plugin_dir / "kubelet_internal_checkpoint"
         self.socket = plugin_dir / "kubelet.sock"
         self.plugins: dict[str, PluginView] = {}
         self.registrations: list[tuple[float, str]] = []  # (monotonic time, resource)
@@ -293,9 +306,44 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
                 "Allocate answered with no container responses (the kubelet treats it as an error)"
             )
         if pod is not None:
+            self.pod_uids.setdefault(pod, str(uuid.uuid4()))
             for n, ids in enumerate(containers):
                 self.assignments.setdefault((*pod, f"c{n}"), []).append((resource, list(ids)))
+                self.responses[(*pod, f"c{n}", resource)] = response.container_responses[
+                    n
+                ].SerializeToString()
+            self.write_checkpoint()
         return response
+
+    def remove_pod(self, namespace: str, name: str) -> None:
+        """The pod is gone: its devices leave PodResources and the checkpoint."""
+        for held in [k for k in self.assignments if k[:2] == (namespace, name)]:
+            del self.assignments[held]
+        for answered in [k for k in self.responses if k[:2] == (namespace, name)]:
+            del self.responses[answered]
+        self.pod_uids.pop((namespace, name), None)
+        self.write_checkpoint()
+
+    def write_checkpoint(self) -> None:
+        entries = []
+        for (namespace, pod, container), held in self.assignments.items():
+            for resource, ids in held:
+                entries.append(
+                    {
+                        "PodUID": self.pod_uids.get((namespace, pod), ""),
+                        "ContainerName": container,
+                        "ResourceName": resource,
+                        "DeviceIDs": {"-1": list(ids)},
+                        "AllocResp": base64.b64encode(
+                            self.responses.get((namespace, pod, container, resource), b"")
+                        ).decode(),
+                    }
+                )
+        registered = {name: list(view.devices) for name, view in self.plugins.items()}
+        doc = {"Data": {"PodDeviceEntries": entries, "RegisteredDevices": registered}, "Checksum": 0}
+        tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.checkpoint)
 
     async def preferred(
         self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int

@@ -31,7 +31,17 @@ from kxpu.backends.ascend.discovery import Npu, cards, error_codes, read_npu
 from kxpu.backends.host import Host, HostFileError, host_changes
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
-from kxpu.model import Backend, BackendError, ContainerEdits, Device, DeviceNode, Health, Mount, numa_packed
+from kxpu.model import (
+    Backend,
+    BackendError,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    DeviceShare,
+    Health,
+    Mount,
+    numa_packed,
+)
 
 log = get_logger("kxpu.backends.ascend")
 
@@ -235,6 +245,13 @@ class AscendBackend(Backend):
         return [p for p in paths if self.host.exists(p)]
 
     def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
+        return self._allocate(devices, None)
+
+    def allocate_shares(self, shares: Sequence[DeviceShare]) -> ContainerEdits:
+        """A shared chip (kxpu's fractional sharing, HAMi's names) gets HAMi's vNPU template for its grant."""
+        return self._allocate([s.device for s in shares], self._template(shares))
+
+    def _allocate(self, devices: Sequence[Device], template: VnpuTemplate | None) -> ContainerEdits:
         phys = self._phys(devices)
         edits = ContainerEdits(
             env={
@@ -242,7 +259,6 @@ class AscendBackend(Backend):
                 RT_VISIBLE_ENV: ",".join(str(n) for n in range(len(phys))),
             }
         )
-        template = self._template(devices)
         if template is not None:
             edits.env[VNPU_SPECS_ENV] = template.name
         if self.config.use_ascend_docker:
@@ -261,9 +277,8 @@ class AscendBackend(Backend):
             return tuple(self.config.vnpu_templates)
         return HAMI_TEMPLATES.get(self._chip, ())
 
-    def _template(self, devices: Sequence[Device]) -> VnpuTemplate | None:
+    def _template(self, shares: Sequence[DeviceShare]) -> VnpuTemplate | None:
         """HAMi's choice for a shared chip: the smallest template holding the granted memory (none: whole chip)."""
-        shares = [d.share for d in devices if d.share is not None]
         if not shares:
             return None
         memory = max(s.memory_mib for s in shares)

@@ -1,9 +1,14 @@
-"""NVIDIA GPUs through NVML: whole GPUs, MIG devices, time-sliced replicas, health and labels.
+"""NVIDIA GPUs through NVML: whole GPUs, MIG devices, time-sliced or MPS replicas, health, labels, telemetry.
 
 Discovery runs once, when the backend is built (a MIG layout change needs a reload, as
 with NVIDIA's plugin); health changes arrive from the NVML event thread and are pushed
 through ``watch()`` at once. What a container gets follows NVIDIA's device list strategies,
 so existing NVIDIA container runtimes and hooks keep working unchanged.
+
+With MPS (``sharing.mps`` replicas, or ``mps.enabled`` for fractional sharing) the backend runs one
+MPS control daemon per GPU (``mps.py``) and gives each container that GPU's pipe directory and the
+server's /dev/shm; replicas are capped by the daemon's defaults, fractional grants by each
+container's own limits (``allocate_shares``). A dead daemon makes its GPU's devices unhealthy.
 """
 
 from __future__ import annotations
@@ -17,16 +22,33 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kxpu.backends.nvidia import discovery, topology
+from kxpu.atomicfile import write_atomically
+from kxpu.backends.nvidia import discovery, mps, topology
 from kxpu.backends.nvidia.config import GpuRef, NvidiaConfig
-from kxpu.backends.nvidia.discovery import GpuInfo, Inventory, MigInfo
+from kxpu.backends.nvidia.discovery import MIB, GpuInfo, Inventory, MigInfo
 from kxpu.backends.nvidia.health import DEFAULT_WAIT_MS, HealthKey, HealthMonitor, XidPolicy
 from kxpu.backends.nvidia.labels import gpu_labels, write_features_file
-from kxpu.backends.nvidia.nvml import NvmlSource, default_source, describe
+from kxpu.backends.nvidia.mps import MpsDaemon, MpsError, MpsLimits, MpsManager
+from kxpu.backends.nvidia.nvml import NvmlSource, default_source, describe, is_code
 from kxpu.backends.nvidia.sharing import pick_replicas
+from kxpu.backends.nvidia.telemetry import GpuSampler
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
-from kxpu.model import Backend, BackendError, ContainerEdits, Device, DeviceNode, Health, Mount, numa_packed
+from kxpu.model import (
+    GRANT_ANNOTATION,
+    Backend,
+    BackendError,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    DeviceShare,
+    Grant,
+    Health,
+    Mount,
+    TelemetrySample,
+    encode_grants,
+    numa_packed,
+)
 
 log = get_logger("kxpu.backends.nvidia")
 
@@ -75,6 +97,12 @@ class NvidiaBackend(Backend):
         self._environ = os.environ if environ is None else environ
         self._initialized = False
         self._closed = False
+        self._nvml_lock = threading.Lock()  # sample() against close(): never query a shut-down NVML
+        self.mps: MpsManager | None = None
+        # MPS: None until start_mps() ran; "running", or "fallback" when onUnavailable let it go without
+        self._mps_state: str | None = None
+        self._mps_lock = threading.Lock()
+        self._compute_modes: dict[str, int] = {}  # GPU → compute mode before kxpu set EXCLUSIVE_PROCESS
         self._listeners: set[Callable[[], None]] = set()
         self._listeners_lock = threading.Lock()
         self.inventory = self._start_nvml()
@@ -97,6 +125,17 @@ class NvidiaBackend(Backend):
             self.monitor = HealthMonitor(
                 self.nvml, served, policy, config.health.recovery, self._notify, wait_ms=event_wait_ms
             )
+        self.sampler = GpuSampler(self.nvml, served, self.monitor)
+        self._served = served
+        self._mps_wanted = bool(config.mps_active and served)
+        try:
+            if self._mps_wanted:
+                self._check_mps(served)
+            if config.hami_core is not None and config.hami_core.preload:
+                self._write_preload_file()
+        except BaseException:
+            self._shutdown_nvml()
+            raise
         log.info(
             "NVIDIA devices discovered",
             gpus=len(self.inventory.gpus),
@@ -123,10 +162,148 @@ class NvidiaBackend(Backend):
             return Inventory(gpus=())
 
     def _shutdown_nvml(self) -> None:
-        if self._initialized:
-            self._initialized = False
-            with contextlib.suppress(Exception):
-                self.nvml.nvmlShutdown()
+        with self._nvml_lock:
+            if self._initialized:
+                self._initialized = False
+                with contextlib.suppress(Exception):
+                    self.nvml.nvmlShutdown()
+
+    # ------------------------------------------------------------------ MPS
+    def _check_mps(self, served: Sequence[GpuInfo]) -> None:
+        """What no fallback can fix, refused when the backend is built."""
+        for gpu in served:
+            if gpu.mig_enabled or any(u.mig for u in self.units if u.gpu.uuid == gpu.uuid):
+                raise BackendError(
+                    f"GPU {gpu.index} ({gpu.uuid}) is in MIG mode: MPS cannot share it. Disable MIG on it "
+                    "(nvidia-smi -i N -mig 0), or serve it without MPS in another resource (devices: [...])"
+                )
+            replicas = max((u.replicas for u in self.units if u.gpu.uuid == gpu.uuid), default=1)
+            most = mps.max_clients(gpu.compute_capability)
+            if replicas > most:
+                raise BackendError(
+                    f"invalid MPS configuration: GPU {gpu.index} gets {replicas} replicas, but an MPS server "
+                    f"takes at most {most} clients on compute capability "
+                    + ".".join(map(str, gpu.compute_capability or ("?",)))
+                )
+
+    def start_mps(self) -> None:
+        """Start the GPUs' MPS daemons (or the chosen fallback). ``watch()`` calls it before its first list,
+        so listing devices (``kxpu devices``) never touches MPS or compute modes; until it has run the
+        GPUs' devices are unhealthy (``mps-not-running``) and not allocated. Blocks: run it in a thread."""
+        with self._mps_lock:
+            if not self._mps_wanted or self._mps_state is not None or self._closed:
+                return
+            self._start_mps(self._served)
+
+    def _start_mps(self, served: Sequence[GpuInfo]) -> None:
+        try:
+            self._prepare_mps(served)
+            self._mps_state = "running"
+        except MpsError as exc:
+            self._restore_compute_modes()
+            if self.config.mps.on_unavailable == "fail":
+                raise BackendError(
+                    f"MPS unavailable: {exc}. (Set mps.onUnavailable: time-slicing to serve the GPUs "
+                    "without MPS: no memory or compute isolation.)"
+                ) from None
+            self.mps = None
+            self._mps_state = "fallback"
+            log.error(
+                "MPS unavailable; serving the GPUs without it as mps.onUnavailable says: containers are "
+                "NOT isolated from each other",
+                error=str(exc),
+                fallback=self.config.mps.on_unavailable,
+            )
+
+    def _prepare_mps(self, served: Sequence[GpuInfo]) -> None:
+        cfg = self.config
+        binary = mps.control_binary(cfg.nvidia_driver_root)
+        if not os.access(binary, os.X_OK):
+            raise MpsError(
+                f"{binary} not found or not executable: MPS needs the driver's {mps.CONTROL_BINARY} "
+                "under nvidiaDriverRoot"
+            )
+        mps.check_shm(cfg.mps.shm_dir or cfg.mps_root / "shm")
+        self._set_compute_modes(served)
+        environ = mps.daemon_environ(cfg.nvidia_driver_root, self._environ)
+        daemons = []
+        for gpu in served:
+            replicas = max((u.replicas for u in self.units if u.gpu.uuid == gpu.uuid), default=1)
+            limits = MpsLimits()
+            if replicas > 1:  # NVIDIA's equal shares: memory / replicas, 100 / replicas
+                limits = MpsLimits(
+                    memory_mib=(gpu.memory_mib or 0) // replicas or None, thread_percentage=100 // replicas
+                )
+            daemons.append(
+                MpsDaemon(
+                    gpu.uuid,
+                    cfg.mps_root,
+                    binary,
+                    limits,
+                    {**environ, "CUDA_VISIBLE_DEVICES": gpu.uuid},
+                    cfg.mps.start_timeout_seconds,
+                )
+            )
+        manager = MpsManager(
+            daemons, self._notify, cfg.mps.check_interval_seconds, cfg.mps.stop_timeout_seconds
+        )
+        manager.start()
+        self.mps = manager
+
+    def _set_compute_modes(self, served: Sequence[GpuInfo]) -> None:
+        """EXCLUSIVE_PROCESS: only the MPS server may hold a context, so a container that leaves MPS out
+        cannot take the GPU past its limits (NVIDIA's plugin sets it with nvidia-smi; kxpu through NVML)."""
+        nvml = self.nvml
+        wanted = int(nvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+        names = {
+            int(nvml.NVML_COMPUTEMODE_DEFAULT): "DEFAULT",
+            int(nvml.NVML_COMPUTEMODE_PROHIBITED): "PROHIBITED",
+            wanted: "EXCLUSIVE_PROCESS",
+        }
+        for gpu in served:
+            try:
+                mode = int(nvml.nvmlDeviceGetComputeMode(gpu.handle))
+            except nvml.NVMLError as exc:
+                raise MpsError(f"GPU {gpu.index}: cannot read its compute mode ({describe(exc)})") from None
+            if mode == wanted:
+                continue
+            name = names.get(mode, str(mode))
+            if not self.config.mps.set_compute_mode:
+                raise MpsError(
+                    f"GPU {gpu.index} is in compute mode {name}; MPS needs EXCLUSIVE_PROCESS, or a container "
+                    f"could bypass the MPS server and its limits. Run nvidia-smi -i {gpu.index} -c "
+                    "EXCLUSIVE_PROCESS, or let kxpu set it (mps.setComputeMode: true)"
+                )
+            try:
+                nvml.nvmlDeviceSetComputeMode(gpu.handle, wanted)
+            except nvml.NVMLError as exc:
+                hint = " (kxpu must run as root)" if is_code(nvml, exc, "NVML_ERROR_NO_PERMISSION") else ""
+                raise MpsError(
+                    f"GPU {gpu.index}: cannot set compute mode EXCLUSIVE_PROCESS ({describe(exc)}){hint}"
+                ) from None
+            self._compute_modes[gpu.uuid] = mode
+            log.info("compute mode set for MPS", gpu=gpu.index, was=name, now="EXCLUSIVE_PROCESS")
+
+    def _restore_compute_modes(self, only: set[str] | None = None) -> None:
+        by_uuid = {g.uuid: g for g in self.inventory.gpus}
+        for uuid, mode in list(self._compute_modes.items()):
+            if only is not None and uuid not in only:
+                continue
+            gpu = by_uuid.get(uuid)
+            try:
+                if gpu is not None and self._initialized:
+                    self.nvml.nvmlDeviceSetComputeMode(gpu.handle, mode)
+            except self.nvml.NVMLError as exc:
+                log.warning("could not restore a GPU's compute mode", gpu=uuid, error=describe(exc))
+            del self._compute_modes[uuid]
+
+    def _write_preload_file(self) -> None:
+        hami = self.config.hami_core
+        assert hami is not None
+        try:
+            write_atomically(hami.preload_file, hami.container_path + "\n")
+        except OSError as exc:
+            raise BackendError(f"hamiCore: cannot write {hami.preload_file}: {exc.strerror}") from None
 
     # ------------------------------------------------------------------ which devices this resource serves
     def _selected(self, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
@@ -185,7 +362,8 @@ class NvidiaBackend(Backend):
 
     def _build_units(self, inventory: Inventory) -> list[Unit]:
         by_index = self.config.device_id_strategy == "index"
-        entries = self.config.sharing.time_slicing.resources
+        entries = self.config.sharing.replicas.resources
+        key = "mps" if self.config.sharing.mps is not None else "timeSlicing"
         units: list[Unit] = []
         for gpu, mig in self._bases(self._selected(inventory.gpus)):
             if mig is not None:
@@ -199,7 +377,7 @@ class NvidiaBackend(Backend):
             ]
             if len(hits) > 1:
                 raise BackendError(
-                    f"{visible} is named by sharing.timeSlicing.resources[{hits[0]}] and [{hits[1]}]; "
+                    f"{visible} is named by sharing.{key}.resources[{hits[0]}] and [{hits[1]}]; "
                     "name each GPU in one entry"
                 )
             if not hits:
@@ -217,6 +395,10 @@ class NvidiaBackend(Backend):
         if unit.gpu.error:
             return "discovery-failed"
         uuid = unit.gpu.uuid
+        if self._mps_wanted and self._mps_state is None:
+            return "mps-not-running"
+        if self.mps is not None and uuid in self.mps.down():
+            return "mps-daemon-down"
         if (uuid, None, None) in faults:
             return faults[(uuid, None, None)]
         for (gpu_uuid, gi, ci), reason in faults.items():
@@ -244,7 +426,7 @@ class NvidiaBackend(Backend):
                 parentUuid=gpu.uuid,
             )
         if unit.replica is not None:
-            extra.update(replica=unit.replica, replicas=unit.replicas)
+            extra.update(replica=unit.replica, replicas=unit.replicas, sharingStrategy=self._strategy)
         return Device(
             id=unit.id,
             health=Health.UNHEALTHY if reason else Health.HEALTHY,
@@ -280,6 +462,8 @@ class NvidiaBackend(Backend):
         with self._listeners_lock:
             self._listeners.add(wake)
         try:
+            if self._mps_wanted:
+                await asyncio.to_thread(self.start_mps)
             if self.monitor is not None and not self.monitor.running:
                 await asyncio.to_thread(self.monitor.start)
             self._write_labels()
@@ -315,13 +499,79 @@ class NvidiaBackend(Backend):
         paths += [f"/dev/{name}" for name in CONTROL_DEVICES if (dev_root / "dev" / name).exists()]
         return [DeviceNode(path, str(dev_root / path.lstrip("/")), "rw") for path in dict.fromkeys(paths)]
 
+    @property
+    def _strategy(self) -> str:
+        return (
+            "mps" if self.config.sharing.mps is not None and self._mps_state != "fallback" else "time-slicing"
+        )
+
     def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
         units = self._units(devices)
-        ts = self.config.sharing.time_slicing
+        ts = self.config.sharing.replicas
         if ts.fail_requests_greater_than_one and len(units) > 1 and any(u.replicas > 1 for u in units):
             raise BackendError(
                 f"maximum request size for shared resources is 1, got {len(units)} (failRequestsGreaterThanOne)"
             )
+        if self._mps_wanted and self._mps_state is None:
+            raise BackendError("MPS is not running yet on this resource's GPUs")
+        edits = self._visible_edits(units)
+        if self.mps is not None:
+            self._mps_edits(units, edits)
+        if self.config.hami_core is not None:
+            self._hami_core_edits(edits)
+        return edits
+
+    def allocate_shares(self, shares: Sequence[DeviceShare]) -> ContainerEdits:
+        """Fractional sharing's grant, enforced by MPS when it runs: the container's own pinned-memory and
+        active-thread limits (which can only lower the daemon's). Without MPS, plain ``allocate``."""
+        edits = self.allocate([s.device for s in shares])
+        if self.mps is not None and shares:
+            share = shares[0]  # _mps_edits refused containers spanning GPUs; one grant per device
+            edits.env[mps.PINNED_MEMORY_ENV] = f"0={share.memory_mib}M"
+            if 0 < share.cores < 100:
+                edits.env[mps.THREAD_PERCENTAGE_ENV] = str(share.cores)
+        return edits
+
+    def _mps_edits(self, units: Sequence[Unit], edits: ContainerEdits) -> None:
+        assert self.mps is not None
+        gpus = list(dict.fromkeys(u.gpu.uuid for u in units))
+        if len(gpus) > 1:
+            raise BackendError(
+                f"under MPS a container talks to one GPU's MPS server, but this request spans {len(gpus)} GPUs "
+                f"({', '.join(gpus)}): ask for one"
+            )
+        daemon = self.mps.daemon(gpus[0])
+        if daemon is None:
+            raise BackendError(f"GPU {gpus[0]} has no MPS daemon")
+        shm = self.config.mps.shm_dir or self.config.mps_root / "shm"
+        edits.env[mps.PIPE_ENV] = daemon.container_pipe_dir
+        edits.mounts += [
+            Mount(daemon.container_pipe_dir, str(daemon.pipe_dir)),
+            Mount(mps.CONTAINER_SHM, str(shm)),
+        ]
+        replicas = units[0].replicas
+        if replicas > 1:  # what the daemon's defaults cap each replica at: telemetry compares with it
+            limits = daemon.limits
+            edits.annotations[GRANT_ANNOTATION] = encode_grants(
+                [
+                    Grant(
+                        gpus[0],
+                        None if limits.memory_mib is None else limits.memory_mib * MIB,
+                        None if limits.thread_percentage is None else limits.thread_percentage / 100,
+                    )
+                ]
+            )
+
+    def _hami_core_edits(self, edits: ContainerEdits) -> None:
+        hami = self.config.hami_core
+        assert hami is not None
+        edits.mounts.append(Mount(hami.container_path, str(hami.library), read_only=True))
+        if hami.preload:
+            edits.mounts.append(Mount("/etc/ld.so.preload", str(hami.preload_file), read_only=True))
+        if hami.lock_dir is not None:
+            edits.mounts.append(Mount("/tmp/vgpulock", str(hami.lock_dir)))
+
+    def _visible_edits(self, units: Sequence[Unit]) -> ContainerEdits:
         visible = list(dict.fromkeys(u.visible for u in units))
         strategies = self.config.device_list_strategy
         edits = ContainerEdits()
@@ -342,6 +592,14 @@ class NvidiaBackend(Backend):
         if self.config.pass_device_specs:
             edits.device_nodes += self._device_nodes(units)
         return edits
+
+    # ------------------------------------------------------------------ telemetry
+    def sample(self) -> TelemetrySample:
+        """NVML's figures for the GPUs this resource serves (see ``telemetry.py``)."""
+        with self._nvml_lock:
+            if not self._initialized:
+                raise BackendError("NVML is not initialized (the backend is closed or has no driver)")
+            return self.sampler.sample()
 
     def preferred_allocation(
         self, available: Sequence[Device], must_include: Sequence[Device], size: int
@@ -399,6 +657,12 @@ class NvidiaBackend(Backend):
         if path is not None:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        with self._mps_lock:  # not while start_mps() is under way in the watch's thread
+            if self.mps is not None:
+                exited = self.mps.stop()
+                self._restore_compute_modes(
+                    only=exited
+                )  # a daemon still serving clients keeps its GPU's mode
         if self.monitor is not None:
             self.monitor.stop(on_exit=self._shutdown_nvml)
         else:

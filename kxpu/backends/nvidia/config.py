@@ -5,6 +5,11 @@ one resource: ``migStrategy: mixed`` plus ``migProfile: 1g.10gb`` serves that MI
 without ``migProfile`` it serves the GPUs whose MIG mode is off (NVIDIA's ``nvidia.com/gpu``
 under ``mixed``). ``devices`` picks which GPUs the resource serves, so several resources
 can split one node's GPUs (for instance with different time-slicing replicas).
+
+``sharing.mps`` takes the same keys as ``sharing.timeSlicing`` (NVIDIA's ``ReplicatedResources``),
+with ``failRequestsGreaterThanOne`` true unless set, as NVIDIA's plugin does for MPS; ``mpsRoot`` is
+NVIDIA's flag. kxpu's own MPS settings (the daemon's supervision, fractional enforcement without
+replicas, what to do when MPS cannot start) are under ``mps``; see ``docs/mps.md``.
 """
 
 from __future__ import annotations
@@ -66,8 +71,78 @@ class TimeSlicing(BackendConfig):
         return self
 
 
+class MpsSharing(TimeSlicing):
+    """NVIDIA's ``sharing.mps``: equal replicas whose memory and compute the MPS server caps."""
+
+    fail_requests_greater_than_one: bool = True
+    resources: list[TimeSlicingResource] = Field(min_length=1)
+
+
 class Sharing(BackendConfig):
     time_slicing: TimeSlicing = Field(default_factory=TimeSlicing)
+    mps: MpsSharing | None = None
+
+    @model_validator(mode="after")
+    def _one_strategy(self) -> Sharing:
+        if self.mps is not None and self.time_slicing.resources:
+            raise ValueError("set either timeSlicing or mps replicas, not both: a GPU is shared one way")
+        return self
+
+    @property
+    def replicas(self) -> TimeSlicing:
+        """The replicated resources in force (MPS's when set, as NVIDIA's plugin reads them)."""
+        return self.mps if self.mps is not None else self.time_slicing
+
+
+class MpsConfig(BackendConfig):
+    """kxpu's MPS settings. MPS runs when ``sharing.mps`` has replicas or ``enabled`` is true (fractional
+    sharing: each container's limits come from its grant instead of equal replicas)."""
+
+    enabled: bool = False
+    set_compute_mode: bool = Field(
+        default=True, description="set EXCLUSIVE_PROCESS while MPS runs and restore the mode after"
+    )
+    on_unavailable: Literal["fail", "time-slicing"] = Field(
+        default="fail", description="when MPS cannot start: refuse, or serve the GPUs without MPS"
+    )
+    shm_dir: Path | None = Field(
+        default=None, description="host directory that is the MPS server's /dev/shm; default <mpsRoot>/shm"
+    )
+    start_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
+    check_interval_seconds: float = Field(default=1.0, gt=0, le=60)
+    stop_timeout_seconds: float = Field(default=5.0, ge=0, le=300)
+
+    @field_validator("shm_dir")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"shmDir {value} must be an absolute path")
+        return value
+
+
+class HamiCoreConfig(BackendConfig):
+    """Mount a host's HAMi-core library into every container and preload it (it then enforces the
+    ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` / ``CUDA_DEVICE_SM_LIMIT`` that fractional sharing sets)."""
+
+    library: Path = Field(description="HAMi-core's libvgpu.so on the host")
+    container_path: str = "/usr/local/vgpu/libvgpu.so"
+    preload: bool = True
+    preload_file: Path = Path("/run/kxpu/hami-core/ld.so.preload")
+    lock_dir: Path | None = Path("/tmp/vgpulock")
+
+    @field_validator("library", "preload_file", "lock_dir")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"{value} must be an absolute path")
+        return value
+
+    @field_validator("container_path")
+    @classmethod
+    def _container_absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"containerPath {value} must be an absolute path")
+        return value
 
 
 class HealthRecovery(BackendConfig):
@@ -102,6 +177,9 @@ class NvidiaConfig(BackendConfig):
     )
     pass_device_specs: bool = False
     nvidia_driver_root: Path = Path("/")
+    mps_root: Path = Field(default=Path("/run/kxpu/mps"), alias="mpsRoot")
+    mps: MpsConfig = Field(default_factory=MpsConfig)
+    hami_core: HamiCoreConfig | None = Field(default=None, alias="hamiCore")
     fail_on_init_error: bool = True
     devices: GpuSelection = "all"
     shared_devices_allocation_policy: Literal["distributed", "packed"] = "distributed"
@@ -137,6 +215,13 @@ class NvidiaConfig(BackendConfig):
             raise ValueError(f"nvidiaDriverRoot {value} must be an absolute path")
         return value
 
+    @field_validator("mps_root")
+    @classmethod
+    def _mps_root(cls, value: Path) -> Path:
+        if not value.is_absolute():
+            raise ValueError(f"mpsRoot {value} must be an absolute path")
+        return value
+
     @field_validator("cdi_kind")
     @classmethod
     def _kind(cls, value: str) -> str:
@@ -157,24 +242,31 @@ class NvidiaConfig(BackendConfig):
             raise ValueError(
                 "migProfile selects a MIG profile under migStrategy: mixed; set migStrategy: mixed"
             )
+        if self.mps_active and self.mig_strategy == "mixed":
+            raise ValueError("MPS cannot share MIG devices: migStrategy mixed is not supported with MPS")
         return self
 
     @property
+    def mps_active(self) -> bool:
+        return self.sharing.mps is not None or self.mps.enabled
+
+    @property
     def replicated(self) -> bool:
-        return bool(self.sharing.time_slicing.resources)
+        return bool(self.sharing.replicas.resources)
 
     @property
     def renamed(self) -> bool:
-        ts = self.sharing.time_slicing
+        ts = self.sharing.replicas
         return self.replicated and (ts.rename_by_default or any(r.rename for r in ts.resources))
 
     def resource_name(self, configured: str) -> str:
-        """Apply NVIDIA's time-slicing renames: ``rename`` wins, then ``renameByDefault`` → ``<name>.shared``."""
-        ts = self.sharing.time_slicing
+        """Apply NVIDIA's replica renames: ``rename`` wins, then ``renameByDefault`` → ``<name>.shared``."""
+        ts = self.sharing.replicas
+        key = "mps" if self.sharing.mps is not None else "timeSlicing"
         for entry in ts.resources:
             if entry.name is not None and entry.name != configured:
                 raise ValueError(
-                    f"sharing.timeSlicing.resources names {entry.name!r}, but this section serves {configured!r}; "
+                    f"sharing.{key}.resources names {entry.name!r}, but this section serves {configured!r}; "
                     "each kxpu resource has its own nvidia section, so drop 'name' or make it match"
                 )
         for entry in ts.resources:

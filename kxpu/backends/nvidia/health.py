@@ -120,6 +120,7 @@ class HealthMonitor:
         self.wait_ms = wait_ms
         self.clock = clock
         self.faults: dict[HealthKey, Fault] = {}
+        self.xids: dict[str, dict[int, int]] = {}  # GPU → Xid → times seen (ignored ones too), for telemetry
         self.ready = threading.Event()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -135,6 +136,17 @@ class HealthMonitor:
     def snapshot(self) -> dict[HealthKey, str]:
         with self._lock:
             return {key: fault.reason for key, fault in self.faults.items()}
+
+    def xid_counts(self) -> dict[str, dict[int, int]]:
+        with self._lock:
+            return {uuid: dict(counts) for uuid, counts in self.xids.items()}
+
+    def _count_xid(self, uuid: str | None, xid: int) -> None:
+        if uuid is None:
+            return
+        with self._lock:
+            counts = self.xids.setdefault(uuid, {})
+            counts[xid] = counts.get(xid, 0) + 1
 
     def _set_fault(self, key: HealthKey, reason: str, now: float) -> bool:
         with self._lock:
@@ -269,6 +281,7 @@ class HealthMonitor:
         event_type = int(event.eventType)
         if event_type & int(nvml.nvmlEventTypeXidCriticalError):
             xid = int(event.eventData)
+            self._count_xid(self._uuid_of(event.device), xid)
             if self.policy.ignores(xid):
                 log.info("ignoring Xid", xid=xid)
                 return

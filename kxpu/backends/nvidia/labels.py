@@ -78,7 +78,10 @@ def gpu_labels(
     profile = first.extra.get("migProfile")
     replicas = min(int(d.extra.get("replicas", 1)) for d in devices)
     shared = replicas > 1
-    labels["nvidia.com/gpu.sharing-strategy"] = "time-slicing" if shared else "none"
+    strategy = str(first.extra.get("sharingStrategy", "time-slicing")) if shared else "none"
+    labels["nvidia.com/gpu.sharing-strategy"] = strategy
+    if strategy == "mps":
+        labels["nvidia.com/mps.capable"] = "true"
 
     prefix = f"nvidia.com/mig-{profile}" if profile and mig_strategy == "mixed" else "nvidia.com/gpu"
     product = (first.model or "unknown").replace(" ", "-")

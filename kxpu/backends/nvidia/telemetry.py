@@ -1,0 +1,128 @@
+"""What NVML tells about the GPUs a resource serves and the processes on them, for the daemon's telemetry.
+
+One ``sample()`` reads, per GPU: utilization (``nvmlDeviceGetUtilizationRates``: the share of the
+last sample period a kernel ran, and memory was read or written), memory, power, temperature, SM /
+memory / graphics clocks, volatile ECC totals, and the processes with a context on it: ordinary ones
+(``nvmlDeviceGetComputeRunningProcesses``) and MPS clients (``nvmlDeviceGetMPSComputeRunningProcesses``),
+with each process's SM share since the previous sample (``nvmlDeviceGetProcessUtilization``). A
+process inside a MIG instance is reported under that MIG device's UUID. Figures a GPU does not offer
+(utilization in MIG mode, ECC on boards without it) are left out; a GPU that stops answering is
+reported without figures rather than failing the sample. Xid counts come from the health thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+from kxpu.backends.nvidia.discovery import GpuInfo
+from kxpu.backends.nvidia.health import HealthMonitor
+from kxpu.backends.nvidia.nvml import Nvml
+from kxpu.model import DeviceUsage, ProcessUsage, TelemetrySample
+
+T = TypeVar("T")
+NO_INSTANCE = 0xFFFFFFFF
+
+
+class GpuSampler:
+    def __init__(self, nvml: Nvml, gpus: Sequence[GpuInfo], monitor: HealthMonitor | None) -> None:
+        self.nvml = nvml
+        self.gpus = [g for g in gpus if g.handle is not None and g.error is None]
+        self.monitor = monitor
+        self._last_seen_us: dict[str, int] = {}  # per GPU: newest process-utilization sample read
+
+    def _read(self, call: Callable[[], T]) -> T | None:
+        try:
+            return call()
+        except self.nvml.NVMLError:
+            return None
+
+    def sample(self) -> TelemetrySample:
+        xids = self.monitor.xid_counts() if self.monitor is not None else {}
+        devices: list[DeviceUsage] = []
+        processes: list[ProcessUsage] = []
+        for gpu in self.gpus:
+            devices.append(self._device(gpu, xids.get(gpu.uuid, {})))
+            processes += self._processes(gpu)
+        return TelemetrySample(tuple(devices), tuple(processes))
+
+    def _device(self, gpu: GpuInfo, xids: dict[int, int]) -> DeviceUsage:
+        nvml, h = self.nvml, gpu.handle
+        util = self._read(lambda: nvml.nvmlDeviceGetUtilizationRates(h))
+        memory = self._read(lambda: nvml.nvmlDeviceGetMemoryInfo(h))
+        power = self._read(lambda: nvml.nvmlDeviceGetPowerUsage(h))
+        temperature = self._read(lambda: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU))
+        clocks: dict[str, float] = {}
+        for name, kind in (
+            ("sm", "NVML_CLOCK_SM"),
+            ("memory", "NVML_CLOCK_MEM"),
+            ("graphics", "NVML_CLOCK_GRAPHICS"),
+        ):
+            mhz = self._read(partial(nvml.nvmlDeviceGetClockInfo, h, getattr(nvml, kind)))
+            if mhz is not None:
+                clocks[name] = float(mhz) * 1e6
+        ecc: dict[str, int] = {}
+        for name, kind in (
+            ("corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED"),
+            ("uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"),
+        ):
+            count = self._read(
+                partial(nvml.nvmlDeviceGetTotalEccErrors, h, getattr(nvml, kind), nvml.NVML_VOLATILE_ECC)
+            )
+            if count is not None:
+                ecc[name] = int(count)
+        return DeviceUsage(
+            uuid=gpu.uuid,
+            index=gpu.index,
+            model=gpu.name,
+            compute_utilization=None if util is None else int(util.gpu) / 100,
+            memory_bandwidth_utilization=None if util is None else int(util.memory) / 100,
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            power_watts=None if power is None else int(power) / 1000,
+            temperature_celsius=None if temperature is None else float(temperature),
+            clocks_hz=clocks,
+            ecc_errors=ecc,
+            xid_errors=dict(xids),
+        )
+
+    def _processes(self, gpu: GpuInfo) -> list[ProcessUsage]:
+        nvml, h = self.nvml, gpu.handle
+        found: dict[int, Any] = {}
+        for list_them in (
+            nvml.nvmlDeviceGetComputeRunningProcesses,
+            nvml.nvmlDeviceGetMPSComputeRunningProcesses,
+        ):
+            for proc in self._read(partial(list_them, h)) or []:
+                found.setdefault(int(proc.pid), proc)
+        if not found:
+            return []
+        sm = self._sm_shares(gpu)
+        mig_uuid = {(m.gi, m.ci): m.uuid for m in gpu.migs}
+        out = []
+        for pid, proc in found.items():
+            gi, ci = (
+                int(getattr(proc, "gpuInstanceId", NO_INSTANCE)),
+                int(getattr(proc, "computeInstanceId", NO_INSTANCE)),
+            )
+            used = proc.usedGpuMemory
+            out.append(
+                ProcessUsage(
+                    uuid=mig_uuid.get((gi, ci), gpu.uuid),
+                    pid=pid,
+                    memory_used_bytes=None if used is None else int(used),
+                    compute_utilization=sm.get(pid),
+                )
+            )
+        return out
+
+    def _sm_shares(self, gpu: GpuInfo) -> dict[int, float]:
+        """Each process's SM share in the samples newer than the last read (NOT_FOUND: none since)."""
+        last = self._last_seen_us.get(gpu.uuid, 0)
+        samples = self._read(lambda: self.nvml.nvmlDeviceGetProcessUtilization(gpu.handle, last)) or []
+        shares: dict[int, float] = {}
+        for s in samples:
+            shares[int(s.pid)] = max(shares.get(int(s.pid), 0.0), int(s.smUtil) / 100)
+            self._last_seen_us[gpu.uuid] = max(self._last_seen_us.get(gpu.uuid, 0), int(s.timeStamp))
+        return shares
