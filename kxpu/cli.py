@@ -190,10 +190,10 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         snapshot,
         config.kubelet_plugins_dir,
         config.plugins_registry_dir,
-        resource.dra.cdi_spec_dir,
         kube,
         kube,
-        resource.dra.unhealthy,
+        resource.dra,
+        config.pod_resources_socket,
     )
 
 

@@ -180,7 +180,6 @@ class TelemetryConfig(_Model):
     enabled: bool = False
     interval_seconds: float = Field(default=10.0, ge=0.1, le=3600)
     host_root: Path = Path("/")
-    pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET
     kubelet_checkpoint: Path | None = Field(
         default=None, description="default: <devicePluginDir>/kubelet_internal_checkpoint"
     )
@@ -188,7 +187,7 @@ class TelemetryConfig(_Model):
         default=False, description="a Warning event on a pod whose container exceeds its grant (API access)"
     )
 
-    @field_validator("host_root", "pod_resources_socket", "kubelet_checkpoint")
+    @field_validator("host_root", "kubelet_checkpoint")
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
@@ -204,6 +203,10 @@ class Config(_Model):
     )
     plugins_registry_dir: Path = Field(
         default=DEFAULT_PLUGINS_REGISTRY_DIR, description="DRA: where the kubelet finds registration sockets"
+    )
+    pod_resources_socket: Path = Field(
+        default=DEFAULT_POD_RESOURCES_SOCKET,
+        description="the kubelet's PodResources API: who holds which device (telemetry; DRA during a migration)",
     )
     resources: list[ResourceConfig] = Field(min_length=1)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)

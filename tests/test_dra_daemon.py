@@ -66,10 +66,9 @@ class Rig:
             snapshot,
             self.plugins,
             self.registry,
-            resource.dra.cdi_spec_dir,
             self.api,
             self.api,
-            resource.dra.unhealthy,
+            resource.dra,
         )
 
     async def start(self, config: Config | None = None, reload: Callable[[], Config] | None = None) -> Daemon:
@@ -242,3 +241,44 @@ def test_config_rules_for_dra() -> None:
     with pytest.raises(ConfigError, match="unix sockets allow 107"):
         parse_config({"version": "v1", "pluginsRegistryDir": long_dir, "resources": [base]})
     assert os.environ.get("KXPU_NEVER_SET") is None
+
+
+async def test_devices_held_through_the_device_plugin_are_kept_out_until_released(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node moving from kxpu's device plugin to DRA: a running pod's device (from the kubelet's PodResources
+    API) is tainted and never prepared until that pod is gone."""
+    from kxpu.testing import KubeletStandIn
+
+    monkeypatch.setattr("kxpu.dra.plugin.HELD_POLL_SECONDS", 0.1)
+    socket = rig.root / "podres" / "kubelet.sock"
+    dp_kubelet = KubeletStandIn(rig.root / "dp", pod_resources_socket=socket)
+    await dp_kubelet.start()
+    dp_kubelet.assignments[("default", "old", "main")] = [(NPU, ["sim-2"])]
+    original = rig.factory
+
+    def with_pod_resources(resource: ResourceConfig, backend: Backend, snapshot: DeviceSnapshot) -> DraPlugin:
+        plugin = original(resource, backend, snapshot)
+        plugin.pod_resources = socket
+        return plugin
+
+    rig.factory = with_pod_resources  # type: ignore[method-assign]
+    try:
+        await rig.start()
+        await rig.kubelet.wait_registered(DRIVER)
+        await eventually(lambda: [d["name"] for d in rig.pool() if d.get("taints")] == ["sim-2"])
+        held = next(d for d in rig.pool() if d["name"] == "sim-2")["taints"][0]
+        assert held == {
+            "key": "kxpu.io/held-by-device-plugin",
+            "value": "true",
+            "effect": "NoSchedule",
+            "timeAdded": held["timeAdded"],
+        }
+        claim = rig.api.add_claim("c", [result("sim-2")])
+        answer = (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid]
+        assert "still used by a pod that got it through the device plugin" in answer.error
+        del dp_kubelet.assignments[("default", "old", "main")]  # the old pod ends
+        await eventually(lambda: not any(d.get("taints") for d in rig.pool()))
+        assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+    finally:
+        await dp_kubelet.stop()

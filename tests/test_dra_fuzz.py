@@ -21,6 +21,7 @@ from kxpu.api.dra.v1 import api_pb2_grpc as dra_grpc
 from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
 from kxpu.daemon.servicer import DeviceSnapshot
 from kxpu.dra.claims import ClaimError, allocation_for
+from kxpu.dra.config import DraConfig
 from kxpu.dra.plugin import MAX_MESSAGE_BYTES, DraPlugin
 from kxpu.dra.prepare import ClaimRef
 from kxpu.testing.dra import DraKubeletStandIn, FakeDraApi
@@ -86,8 +87,9 @@ async def serving() -> AsyncIterator[tuple[DraKubeletStandIn, FakeDraApi, DraPlu
     snapshot = DeviceSnapshot()
     await snapshot.update(backend.discover())
     api = FakeDraApi({NODE: "uid-a"})
+    settings = DraConfig(cdi_spec_dir=root / "cdi")
     plugin = DraPlugin(
-        "example.com/npu", DRIVER, NODE, backend, snapshot, root / "p", root / "r", root / "cdi", api, api
+        "example.com/npu", DRIVER, NODE, backend, snapshot, root / "p", root / "r", api, api, settings
     )
     task = asyncio.create_task(plugin.run())
     kubelet = DraKubeletStandIn(root / "r")

@@ -218,7 +218,8 @@ async def test_the_sampler_ties_use_to_grants_and_reports_each_excursion_once(
             "version": "v1",
             "devicePluginDir": str(plugin_dir),
             "resources": [{"name": "x.com/gpu", "simulated": {"count": 1}}],
-            "telemetry": {"enabled": True, "hostRoot": str(host), "podResourcesSocket": str(socket)},
+            "podResourcesSocket": str(socket),
+            "telemetry": {"enabled": True, "hostRoot": str(host)},
         }
     )
     source = Scripted()

@@ -74,7 +74,6 @@ def telemetry(rig: dict[str, Path]) -> dict[str, Any]:
         "enabled": True,
         "intervalSeconds": 0.2,
         "hostRoot": str(rig["host"]),
-        "podResourcesSocket": str(rig["podres"]),
     }
 
 
@@ -98,7 +97,7 @@ async def test_mps_replicas_reach_containers_and_telemetry_ties_processes_to_pod
     kubelet = KubeletStandIn(plugin_dir, pod_resources_socket=rig["podres"])
     await kubelet.start()
     try:
-        config = write_config([nvidia(rig)], telemetry=telemetry(rig))
+        config = write_config([nvidia(rig)], telemetry=telemetry(rig), podResourcesSocket=str(rig["podres"]))
         env = {"KXPU_FAKE_NVML": "a100-8x", "KXPU_FAKE_NVML_CONTROL": str(rig["control"])}
         daemon: DaemonProcess = await daemons(config, env=env)
         view = await kubelet.wait_registered(GPU, timeout=30)

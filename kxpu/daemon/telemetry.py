@@ -244,7 +244,7 @@ class TelemetrySampler:
         stale = time.monotonic() - self._placed_at > PLACEMENT_REFRESH_S
         if reader.generation != self._placed_generation or stale:
             try:
-                self._placed = await list_pod_resources(config.telemetry.pod_resources_socket)
+                self._placed = await list_pod_resources(config.pod_resources_socket)
                 self._placed_generation = reader.generation
                 self._placed_at = time.monotonic()
             except HolderError as exc:

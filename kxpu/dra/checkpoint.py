@@ -44,6 +44,9 @@ class PreparedDevice:
     id: str  # kxpu device ID
     cdi_device_ids: tuple[str, ...]
     share_id: str | None = None
+    # A share's grant (consumable capacity): memory in MiB and compute in percent.
+    memory_mib: int | None = None
+    cores: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,8 @@ def _claim_to_json(claim: PreparedClaim) -> dict[str, Any]:
                 "id": d.id,
                 "cdiDeviceIDs": list(d.cdi_device_ids),
                 **({"shareID": d.share_id} if d.share_id else {}),
+                **({"memoryMiB": d.memory_mib} if d.memory_mib is not None else {}),
+                **({"cores": d.cores} if d.cores is not None else {}),
             }
             for d in claim.devices
         ],
@@ -90,6 +95,8 @@ def _claim_from_json(raw: Mapping[str, Any]) -> PreparedClaim:
                 id=str(d["id"]),
                 cdi_device_ids=tuple(str(c) for c in d["cdiDeviceIDs"]),
                 share_id=d.get("shareID"),
+                memory_mib=d.get("memoryMiB"),
+                cores=d.get("cores"),
             )
             for d in raw["devices"]
         ),
@@ -149,13 +156,14 @@ class Checkpoint:
                 f"cannot write the DRA checkpoint {self.path}: {exc.strerror or exc}"
             ) from None
 
-    def holder_of(self, device: str, share_id: str | None = None) -> tuple[str, PreparedClaim] | None:
-        """The claim (UID, claim) that has ``device`` prepared, if any (the same share only, for shares)."""
-        for uid, claim in self.claims.items():
-            for prepared in claim.devices:
-                if prepared.device == device and (share_id is None or prepared.share_id == share_id):
-                    return uid, claim
-        return None
+    def holders_of(self, device: str) -> list[tuple[str, PreparedClaim, PreparedDevice]]:
+        """Every (claim UID, claim, prepared device) that holds ``device``, whole or a share of it."""
+        return [
+            (uid, claim, prepared)
+            for uid, claim in self.claims.items()
+            for prepared in claim.devices
+            if prepared.device == device
+        ]
 
 
 def as_dict(claim: PreparedClaim) -> dict[str, Any]:

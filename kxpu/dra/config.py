@@ -15,6 +15,32 @@ DEFAULT_PLUGINS_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
 
 
+class DraSharesConfig(BaseModel):
+    """``dra.shares``: each device may be allocated to several claims, each consuming part of its memory and
+    compute (DRA consumable capacity). A claim names its amounts in ``capacity.requests`` (``memory``,
+    ``cores`` in percent); one that names none gets the whole device. Each container gets the same
+    in-container limits kxpu's extender path gives (HAMi-core's variables by default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    memory_step_mib: int = Field(
+        default=256, ge=1, description="requests are rounded up to multiples of this"
+    )
+    min_memory_mib: int = Field(default=256, ge=0)
+    memory_scaling: float = Field(default=1.0, gt=0, le=100, description="publish physical memory times this")
+    core_scaling: float = Field(default=1.0, gt=0, le=100, description="publish 100 percent times this")
+    memory_limit_env: str = "CUDA_DEVICE_MEMORY_LIMIT_{i}"
+    core_limit_env: str = "CUDA_DEVICE_SM_LIMIT"
+    env: dict[str, str] = Field(default_factory=dict, description="more env for containers holding a share")
+
+    @field_validator("memory_limit_env")
+    @classmethod
+    def _indexed(cls, value: str) -> str:
+        if "{i}" not in value:
+            raise ValueError("memoryLimitEnv needs {i} (the device's index in the container's request)")
+        return value
+
+
 class DraConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
@@ -28,6 +54,9 @@ class DraConfig(BaseModel):
         default="taint",
         description="taint unhealthy devices (NoSchedule) or leave them out of the ResourceSlice; taints fall "
         "back to withdrawal where the API server drops them",
+    )
+    shares: DraSharesConfig | None = Field(
+        default=None, description="consumable capacity: several claims per device"
     )
 
     @field_validator("driver_name")

@@ -31,21 +31,24 @@ import grpc
 
 from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from kxpu.daemon.backoff import Backoff
+from kxpu.daemon.holders import HolderError, list_pod_resources
 from kxpu.daemon.registration import FileIdentity, file_identity
 from kxpu.daemon.servicer import DeviceSnapshot
 from kxpu.dra.checkpoint import Checkpoint
+from kxpu.dra.config import DraConfig
 from kxpu.dra.prepare import ClaimSource, Preparer
 from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
-from kxpu.dra.slices import Unhealthy
+from kxpu.dra.slices import SharePolicy
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 from kxpu.model import Backend
-from kxpu.timeouts import wait_event, within
+from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.dra.plugin")
 
 RESYNC_SECONDS = 30.0
+HELD_POLL_SECONDS = 5.0
 MAX_SOCKET_PATH = 107  # sockaddr_un holds 108 bytes including the NUL
 # gRPC messages: a NodePrepareResources call names at most a few hundred claims; nothing legitimate is near this.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -150,19 +153,42 @@ class DraPlugin:
         snapshot: DeviceSnapshot,
         plugins_dir: Path,
         registry_dir: Path,
-        cdi_dir: Path,
         slices: SliceApi,
         claims: ClaimSource,
-        unhealthy: Unhealthy = "taint",
+        settings: DraConfig | None = None,
+        pod_resources: Path | None = None,
     ) -> None:
+        settings = settings or DraConfig()
+        self.pod_resources = pod_resources
+        # Devices pods still hold through the device plugin (this node served the resource that way before):
+        # tainted, never prepared, until those pods are gone.
+        self.held: frozenset[str] = frozenset()
+        self._held_changed = asyncio.Event()
         self.resource = resource
         self.driver = driver
         self.node = node
         self.snapshot = snapshot
         self.plugin_dir = plugins_dir / driver
         self.checkpoint = Checkpoint(self.plugin_dir / "checkpoint.json", driver)
-        self.preparer = Preparer(driver, node, backend, snapshot.devices, self.checkpoint, cdi_dir, claims)
-        self.publisher = SlicePublisher(slices, driver, node, unhealthy)
+        self.preparer = Preparer(
+            driver,
+            node,
+            backend,
+            snapshot.devices,
+            self.checkpoint,
+            settings.cdi_spec_dir,
+            claims,
+            settings.shares,
+        )
+        shares = settings.shares
+        policy = (
+            SharePolicy(
+                shares.memory_step_mib, shares.min_memory_mib, shares.memory_scaling, shares.core_scaling
+            )
+            if shares is not None
+            else None
+        )
+        self.publisher = SlicePublisher(slices, driver, node, settings.unhealthy, policy)
         self.phase = DraPhase.STARTING
         self.registered = False
         self.registration_error = ""
@@ -210,7 +236,11 @@ class DraPlugin:
             )
         self.log.info("DRA driver starting", node=self.node, prepared_claims=len(self.checkpoint.claims))
         try:
+            if self.pod_resources is not None:
+                await self._read_held()  # before the first publish: never offer a device a pod still uses
             async with asyncio.TaskGroup() as tasks:
+                if self.held:
+                    tasks.create_task(self._follow_held())
                 tasks.create_task(self._publish_loop())
                 tasks.create_task(self._watch_dirs())
                 tasks.create_task(self._serve_loop())
@@ -263,15 +293,47 @@ class DraPlugin:
                 self.log.error("cannot watch the DRA directories", error=f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(delay)
 
+    async def _read_held(self) -> bool:
+        """The devices of this resource that pods hold through the device plugin, from the kubelet's
+        PodResources API; True if that set changed. Unreadable: the last answer stays (a warning)."""
+        assert self.pod_resources is not None
+        try:
+            placed = await list_pod_resources(self.pod_resources)
+        except HolderError as exc:
+            self.log.warning(
+                "cannot tell which devices pods hold through the device plugin; assuming the last answer",
+                error=str(exc),
+                held=sorted(self.held),
+            )
+            return False
+        held = frozenset(device for (resource, device) in placed if resource == self.resource)
+        if held == self.held:
+            return False
+        if held or self.held:
+            self.log.info("devices held by device-plugin pods", held=sorted(held))
+        self.held = held
+        self.preparer.held = held
+        self._held_changed.set()
+        return True
+
+    async def _follow_held(self) -> None:
+        """Until the last pod that got a device through the device plugin is gone (they are not replaced:
+        this resource is served through DRA now)."""
+        while self.held:
+            await asyncio.sleep(HELD_POLL_SECONDS)
+            await self._read_held()
+
     async def _publish_loop(self) -> None:
         backoff = Backoff(initial=0.2, maximum=30.0)
         while True:
             revision = self.snapshot.revision
+            self._held_changed.clear()
             self.preparer.update_devices(self.snapshot.devices)
             try:
-                await self.publisher.publish(list(self.snapshot.devices.values()))
+                await self.publisher.publish(list(self.snapshot.devices.values()), self.held)
                 self.published_revision = revision
                 backoff.reset()
+                delay = None
             except Exception as exc:  # the API server's answer or the connection's failure: retried
                 delay = backoff.next_delay()
                 self.log.error(
@@ -279,9 +341,15 @@ class DraPlugin:
                     error=f"{type(exc).__name__}: {exc}",
                     retry_in_s=round(delay, 2),
                 )
-                await within(self.snapshot.wait_revision_newer_than(revision), delay)
-                continue
-            await self.snapshot.wait_revision_newer_than(revision)
+            changes = [
+                asyncio.ensure_future(self.snapshot.wait_revision_newer_than(revision)),
+                asyncio.ensure_future(self._held_changed.wait()),
+            ]
+            try:
+                await asyncio.wait(changes, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for change in changes:
+                    change.cancel()
 
     def describe(self) -> dict[str, Any]:
         """The driver, its pool and what is prepared (read from the HTTP thread: plain reads only)."""

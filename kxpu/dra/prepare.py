@@ -28,9 +28,20 @@ from kxpu.atomicfile import write_atomically
 from kxpu.cdi.spec import build_spec, qualified_name, validate_spec
 from kxpu.dra.checkpoint import Checkpoint, CheckpointError, PreparedClaim, PreparedDevice
 from kxpu.dra.claims import AllocatedDevice, ClaimAllocation, ClaimError, allocation_for
+from kxpu.dra.config import DraSharesConfig
 from kxpu.dra.names import claim_cdi_device, claim_cdi_kind, device_name, parent_request
+from kxpu.dra.quantity import as_mib, parse_quantity
 from kxpu.logs import get_logger
-from kxpu.model import AsyncAllocator, Backend, BackendError, ContainerEdits, Device
+from kxpu.model import (
+    AsyncAllocator,
+    Backend,
+    BackendError,
+    ContainerEdits,
+    Device,
+    DeviceShare,
+    ShareAllocator,
+    share_limit_env,
+)
 
 log = get_logger("kxpu.dra.prepare")
 
@@ -74,8 +85,10 @@ class Preparer:
         checkpoint: Checkpoint,
         cdi_dir: Path,
         claims: ClaimSource,
+        shares: DraSharesConfig | None = None,
     ) -> None:
         self.driver = driver
+        self.shares = shares
         self.pool = pool
         self.backend = backend
         self._by_name: dict[str, Device] = {}
@@ -84,6 +97,7 @@ class Preparer:
         self.cdi_dir = cdi_dir
         self.claims = claims
         self.cdi_kind = claim_cdi_kind(driver)
+        self.held: frozenset[str] = frozenset()  # IDs pods still hold through the device plugin
         self._lock = asyncio.Lock()
         self.log = log.bind(driver=driver)
 
@@ -123,12 +137,13 @@ class Preparer:
         entries: list[tuple[str, ContainerEdits]] = []
         prepared: list[PreparedDevice] = []
         for request, members in by_request.items():
-            edits = await self._edits(allocation, request, [device for _, device in members])
+            grants = [self._grant(allocation, allocated, device) for allocated, device in members]
+            edits = await self._edits(allocation, request, grants)
             cdi_name = claim_cdi_device(ref.uid, request)
             has_edits = any((edits.env, edits.device_nodes, edits.mounts))
             if has_edits:
                 entries.append((cdi_name, edits))
-            for n, (allocated, device) in enumerate(members):
+            for n, ((allocated, device), grant) in enumerate(zip(members, grants, strict=True)):
                 # The request's edits once (on its first device): the kubelet gives a container the CDI IDs of
                 # every device of the requests it uses, and the same CDI device twice would apply twice.
                 ids = (qualified_name(self.cdi_kind, cdi_name),) if has_edits and n == 0 else ()
@@ -140,6 +155,8 @@ class Preparer:
                         id=device.id,
                         cdi_device_ids=ids,
                         share_id=allocated.share_id,
+                        memory_mib=grant.memory_mib if allocated.share_id else None,
+                        cores=grant.cores if allocated.share_id else None,
                     )
                 )
         spec_path = await asyncio.to_thread(self._write_spec, ref.uid, entries) if entries else None
@@ -176,22 +193,84 @@ class Preparer:
                     f"ResourceClaim {allocation.ref}: device {allocated.device} ({device.id}) is unhealthy "
                     f"({device.health_reason or 'no reason given'}); the kubelet retries once it recovers"
                 )
-            holder = self.checkpoint.holder_of(allocated.device, allocated.share_id)
-            if holder is not None and holder[0] != allocation.uid and not allocated.admin_access:
+            if device.id in self.held:
                 raise ClaimError(
-                    f"ResourceClaim {allocation.ref}: device {allocated.device} is already prepared for ResourceClaim "
-                    f"{holder[1].ref} (UID {holder[0]}); refusing a second allocation of it"
+                    f"ResourceClaim {allocation.ref}: device {allocated.device} ({device.id}) is still used by a pod that "
+                    "got it through the device plugin; it is offered once that pod is gone"
                 )
+            if not allocated.admin_access:
+                self._check_not_taken(allocation, allocated, device)
             chosen.append((allocated, device))
         return chosen
 
+    def _check_not_taken(
+        self, allocation: ClaimAllocation, allocated: AllocatedDevice, device: Device
+    ) -> None:
+        """The last line of defence against a double allocation: a whole device is one claim's; shares of a
+        device never add up to more than the capacity kxpu published for it."""
+        others = [h for h in self.checkpoint.holders_of(allocated.device) if h[0] != allocation.uid]
+        whole = [h for h in others if h[2].share_id is None]
+        if others and (allocated.share_id is None or whole):
+            _, claim, _ = (whole or others)[0]
+            raise ClaimError(
+                f"ResourceClaim {allocation.ref}: device {allocated.device} is already prepared for ResourceClaim "
+                f"{claim.ref}; refusing a second allocation of it"
+            )
+        if allocated.share_id is None:
+            return
+        grant = self._grant(allocation, allocated, device)
+        memory = grant.memory_mib + sum(h[2].memory_mib or 0 for h in others)
+        cores = grant.cores + sum(h[2].cores or 0 for h in others)
+        assert self.shares is not None  # _grant refused a share otherwise
+        memory_cap = int((device.memory_mib or 0) * self.shares.memory_scaling)
+        core_cap = int(100 * self.shares.core_scaling)
+        if (device.memory_mib is not None and memory > memory_cap) or cores > core_cap:
+            raise ClaimError(
+                f"ResourceClaim {allocation.ref}: a share of {grant.memory_mib} MiB and {grant.cores}% on device "
+                f"{allocated.device} would bring its prepared shares to {memory} MiB of {memory_cap} and {cores}% of "
+                f"{core_cap}; refusing to over-commit it (was it allocated against another ResourceSlice?)"
+            )
+
+    def _grant(self, allocation: ClaimAllocation, allocated: AllocatedDevice, device: Device) -> DeviceShare:
+        """What the claim gets of the device: all of it, or the share the scheduler accounted (consumed capacity)."""
+        whole = DeviceShare(device, device.memory_mib or 0, 100)
+        if allocated.share_id is None:
+            return whole
+        if self.shares is None:
+            raise ClaimError(
+                f"ResourceClaim {allocation.ref}: device {allocated.device} was allocated as a share, but driver "
+                f"{self.driver} does not publish shares (dra.shares)"
+            )
+        try:
+            memory = (
+                as_mib(allocated.consumed["memory"]) if "memory" in allocated.consumed else whole.memory_mib
+            )
+            cores = int(parse_quantity(allocated.consumed["cores"])) if "cores" in allocated.consumed else 100
+        except ValueError as exc:
+            raise ClaimError(
+                f"ResourceClaim {allocation.ref}: consumed capacity of {allocated.device}: {exc}"
+            ) from None
+        return DeviceShare(device, memory, cores)
+
     async def _edits(
-        self, allocation: ClaimAllocation, request: str, devices: list[Device]
+        self, allocation: ClaimAllocation, request: str, grants: list[DeviceShare]
     ) -> ContainerEdits:
-        if isinstance(self.backend, AsyncAllocator):
+        devices = [g.device for g in grants]
+        shared = self.shares is not None and any(
+            g.cores < 100 or g.memory_mib < (g.device.memory_mib or 0) for g in grants
+        )
+        if shared and isinstance(self.backend, ShareAllocator):  # the vendor enforces the grant itself (MPS)
+            edits = self.backend.allocate_shares(grants)
+        elif isinstance(self.backend, AsyncAllocator):
             edits = await self.backend.allocate_async(devices)
         else:
             edits = self.backend.allocate(devices)
+        if shared:
+            assert self.shares is not None
+            edits.env.update(
+                share_limit_env(grants, self.shares.memory_limit_env, self.shares.core_limit_env)
+            )
+            edits.env.update(self.shares.env)
         extra: dict[str, str] = {}
         for allocated_request, config in allocation.configs.items():
             if parent_request(allocated_request) == request:

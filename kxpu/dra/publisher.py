@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from kxpu.dra.slices import PoolContent, Unhealthy, pool_content, same_devices
+from kxpu.dra.slices import PoolContent, SharePolicy, Unhealthy, pool_content, same_devices
 from kxpu.logs import get_logger
 from kxpu.model import Device
 
@@ -88,18 +88,27 @@ def _keep_taint_times(spec: dict[str, Any], old: Mapping[str, Any] | None) -> No
 
 
 class SlicePublisher:
-    def __init__(self, api: SliceApi, driver: str, node: str, unhealthy: Unhealthy = "taint") -> None:
+    def __init__(
+        self,
+        api: SliceApi,
+        driver: str,
+        node: str,
+        unhealthy: Unhealthy = "taint",
+        shares: SharePolicy | None = None,
+    ) -> None:
         self.api = api
         self.driver = driver
         self.node = node
         self.unhealthy: Unhealthy = unhealthy
+        self.shares = shares
         self.generation = 0  # the highest this process published or saw
         self.published: PoolContent | None = None
         self._node_uid: str | None = None
         self.log = log.bind(driver=driver, node=node)
 
-    async def publish(self, devices: Sequence[Device]) -> bool:
-        """Make the API match ``devices``; True if anything was written."""
+    async def publish(self, devices: Sequence[Device], held: frozenset[str] = frozenset()) -> bool:
+        """Make the API match ``devices`` (``held``: IDs device-plugin pods still hold); True if anything was
+        written."""
         if self._node_uid is None:
             self._node_uid = await self.api.node_uid(self.node)
         existing = sorted(
@@ -108,7 +117,9 @@ class SlicePublisher:
         foreign = [o for o in existing if not _owned_by(o, self._node_uid)]
         mine = [o for o in existing if _owned_by(o, self._node_uid)]
         self.generation = max([self.generation, *(_generation(o) for o in existing)])
-        current = pool_content(self.driver, self.node, devices, self.generation, self.unhealthy)
+        current = pool_content(
+            self.driver, self.node, devices, self.generation, self.unhealthy, self.shares, held
+        )
         specs = [o.get("spec") or {} for o in mine]
         up_to_date = (
             not foreign
@@ -125,7 +136,9 @@ class SlicePublisher:
         for obj in foreign:  # a previous Node object of the same name: its slices go with it
             await self.api.delete_slice(obj["metadata"]["name"])
         self.generation += 1
-        content = pool_content(self.driver, self.node, devices, self.generation, self.unhealthy)
+        content = pool_content(
+            self.driver, self.node, devices, self.generation, self.unhealthy, self.shares, held
+        )
         by_name = {o["metadata"]["name"]: o for o in mine}
         wanted = {slice_name(self.node, self.driver, i): spec for i, spec in enumerate(content.slices)}
         for name, spec in wanted.items():
@@ -138,7 +151,7 @@ class SlicePublisher:
                     "are withdrawn from the ResourceSlice instead"
                 )
                 self.unhealthy = "withdraw"
-                return await self.publish(devices) or True
+                return await self.publish(devices, held) or True
         for name in by_name.keys() - wanted.keys():
             await self.api.delete_slice(name)
         self.published = content

@@ -36,6 +36,8 @@ MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_STRING_VALUE = 64
 MAX_IDENTIFIER = 32
 UNHEALTHY_TAINT_KEY = "kxpu.io/unhealthy"
+# Still held by a pod that got it through the device plugin (a node moving from the device plugin to DRA).
+HELD_TAINT_KEY = "kxpu.io/held-by-device-plugin"
 INT64_MAX = 2**63 - 1
 
 Unhealthy = Literal["taint", "withdraw"]
@@ -47,6 +49,23 @@ _SEMVER = re.compile(
     r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
     r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class SharePolicy:
+    """Consumable capacity (``dra.shares``): devices allow several allocations, each consuming memory (MiB,
+    in steps) and cores (percent); a request naming no amount takes the whole device."""
+
+    memory_step_mib: int = 256
+    min_memory_mib: int = 256
+    memory_scaling: float = 1.0
+    core_scaling: float = 1.0
+
+    def memory_capacity_mib(self, device: Device) -> int | None:
+        return None if device.memory_mib is None else int(device.memory_mib * self.memory_scaling)
+
+    def core_capacity(self) -> int:
+        return int(100 * self.core_scaling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +159,36 @@ def taint_value(reason: str | None) -> str:
     return cleaned or "unknown"
 
 
-def device_entry(device: Device, unhealthy: Unhealthy) -> dict[str, Any]:
-    capacity = device_capacity(device)
+def shared_capacity(device: Device, policy: SharePolicy) -> dict[str, dict[str, Any]]:
+    """Capacities with request policies: the default is the whole (a claim that names no amount is exclusive),
+    requests are rounded up to the step (the API wants the default a multiple of it)."""
+    capacity: dict[str, dict[str, Any]] = {}
+    memory = policy.memory_capacity_mib(device)
+    step = policy.memory_step_mib
+    if memory is not None and memory >= max(step, policy.min_memory_mib + step):
+        whole = memory // step * step
+        capacity["memory"] = {
+            "value": binary_quantity(memory * 2**20),
+            "requestPolicy": {
+                "default": binary_quantity(whole * 2**20),
+                "validRange": {
+                    "min": binary_quantity(policy.min_memory_mib * 2**20) if policy.min_memory_mib else "0",
+                    "step": binary_quantity(step * 2**20),
+                },
+            },
+        }
+    cores = policy.core_capacity()
+    capacity["cores"] = {
+        "value": str(cores),
+        "requestPolicy": {"default": str(cores), "validRange": {"min": "1", "max": str(cores), "step": "1"}},
+    }
+    return capacity
+
+
+def device_entry(
+    device: Device, unhealthy: Unhealthy, shares: SharePolicy | None = None, held: bool = False
+) -> dict[str, Any]:
+    capacity = device_capacity(device) if shares is None else shared_capacity(device, shares)
     attrs = device_attributes(device)
     room = MAX_ATTRIBUTES_AND_CAPACITIES - len(capacity)
     if len(attrs) > room:
@@ -155,20 +202,38 @@ def device_entry(device: Device, unhealthy: Unhealthy) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": device_name(device.id), "attributes": attrs}
     if capacity:
         entry["capacity"] = capacity
+    if shares is not None:
+        entry["allowMultipleAllocations"] = True
+    taints = []
     if not device.healthy and unhealthy == "taint":
-        entry["taints"] = [
+        taints.append(
             {"key": UNHEALTHY_TAINT_KEY, "value": taint_value(device.health_reason), "effect": "NoSchedule"}
-        ]
+        )
+    if held:
+        taints.append({"key": HELD_TAINT_KEY, "value": "true", "effect": "NoSchedule"})
+    if taints:
+        entry["taints"] = taints
     return entry
 
 
 def pool_content(
-    driver: str, node: str, devices: Sequence[Device], generation: int, unhealthy: Unhealthy
+    driver: str,
+    node: str,
+    devices: Sequence[Device],
+    generation: int,
+    unhealthy: Unhealthy,
+    shares: SharePolicy | None = None,
+    held: frozenset[str] = frozenset(),
 ) -> PoolContent:
     """The pool's slices at ``generation``: devices in the backend's order (the allocator's first-fit
     order), withdrawn ones left out. A pool with no device still has one empty slice, so consumers see
     the pool (and that it is empty) rather than nothing."""
-    entries = [device_entry(d, unhealthy) for d in devices if d.healthy or unhealthy == "taint"]
+    # Withdrawal leaves out what taints would mark: unhealthy devices and devices device-plugin pods still hold.
+    entries = [
+        device_entry(d, unhealthy, shares, d.id in held)
+        for d in devices
+        if unhealthy == "taint" or (d.healthy and d.id not in held)
+    ]
     size = MAX_DEVICES_PER_SLICE_WITH_TAINTS if unhealthy == "taint" else MAX_DEVICES_PER_SLICE
     chunks = [entries[i : i + size] for i in range(0, len(entries), size)] or [[]]
     slices = tuple(
@@ -186,7 +251,11 @@ def pool_content(
 def comparable(device: Mapping[str, Any]) -> dict[str, Any]:
     """A device as kxpu writes it, from a device as kxpu wrote it or as the API server returns it (which adds
     each taint's ``timeAdded``)."""
-    out = {key: device[key] for key in ("name", "attributes", "capacity") if device.get(key)}
+    out = {
+        key: device[key]
+        for key in ("name", "attributes", "capacity", "allowMultipleAllocations")
+        if device.get(key)
+    }
     taints = [{k: t[k] for k in ("key", "value", "effect") if k in t} for t in device.get("taints") or []]
     if taints:
         out["taints"] = taints

@@ -27,6 +27,7 @@ from kxpu.model.device import (
     index_by_id,
 )
 from kxpu.model.edits import ContainerEdits, DeviceNode, Mount
+from kxpu.model.limits import share_limit_env
 from kxpu.model.telemetry import (
     GRANT_ANNOTATION,
     DeviceUsage,
@@ -72,4 +73,5 @@ __all__ = [
     "find_capability",
     "index_by_id",
     "numa_packed",
+    "share_limit_env",
 ]

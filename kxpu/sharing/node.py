@@ -56,6 +56,7 @@ from kxpu.model import (
     Watcher,
     encode_grants,
     numa_packed,
+    share_limit_env,
 )
 from kxpu.sharing import inventory, signing
 from kxpu.sharing.config import SharingConfig
@@ -380,11 +381,11 @@ class SharingBackend(Backend):
         else:
             base = self.inner.allocate([self._parents[g.device] for g in granted])
         env = {self.config.visible_devices_env: ",".join(g.uuid for g in container.devices)}
-        for i, grant in enumerate(container.devices):
-            env[self.config.memory_limit_env.replace("{i}", str(i))] = f"{grant.memory_mib}m"
-        cores = container.devices[0].cores if container.devices else 0
-        if 0 < cores < 100:
-            env[self.config.core_limit_env] = str(cores)
+        shares = [
+            DeviceShare(self._parents.get(g.device) or Device(id=g.device), g.memory_mib, g.cores)
+            for g in container.devices
+        ]
+        env.update(share_limit_env(shares, self.config.memory_limit_env, self.config.core_limit_env))
         env.update(self.config.env)
         mounts = [Mount(m.container_path, m.host_path, m.read_only) for m in self.config.mounts]
         # What the container was granted, kept by the kubelet with the container: telemetry compares it
