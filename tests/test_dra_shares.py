@@ -59,7 +59,7 @@ def whole(device: str) -> dict[str, Any]:
 
 
 def make(tmp: Path, shares: DraSharesConfig | None = SHARES) -> tuple[Preparer, FakeDraApi]:
-    backend = SimulatedBackend(SimulatedConfig(count=2, model="sim", memoryMiB=16384))
+    backend = SimulatedBackend(SimulatedConfig(count=2, model="sim", memory_mib=16384))
     checkpoint = Checkpoint(tmp / "checkpoint.json", DRIVER)
     checkpoint.load()
     api = FakeDraApi()
