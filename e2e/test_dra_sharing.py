@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +167,48 @@ def test_device_health_shows_in_pod_status(e2e: E2E, tmp_path: Path) -> None:
     kube.wait_until(
         "Healthy again", lambda: all(r["health"] == "Healthy" for r in health().values()) or None, timeout=90
     )
+
+
+def test_partitions_never_overlap(e2e: E2E) -> None:
+    """Two devices of 7 slices offered whole and as 1-, 2- and 3-slice partitions with shared counters: pods
+    asking for a 3-slice partition get non-overlapping placements (two a device), a fifth stays Pending, and
+    a pod asking for a whole device waits while its partitions are in use."""
+    resource = npus(count=2, memoryMiB=40960, partitions={"slices": 7, "profiles": [1, 2, 3]})
+    dra.forget_driver(e2e, DRIVER)
+    e2e.kxpu([resource])
+    kube.wait_until(
+        "two devices and 24 partitions", lambda: len(dra.pool_devices(e2e.cluster, DRIVER)) == 26 or None, 60
+    )
+    cls = dra.device_class(e2e, "kxpu-npu", DRIVER)
+    attr = f'device.attributes["{DRIVER}"]'
+    three = dra.claim_template(
+        e2e, "three", [{"name": "npu", "exactly": dra.exactly(cls, 1, f'{attr}.profile == "3g"')}]
+    )
+    pods = [dra.claim_pod(e2e, f"part-{i}", REPORT, three) for i in range(4)]
+    got = []
+    for pod in pods:
+        kube.wait_pod_phase(e2e.cluster, pod.name, "Running")
+        (device,) = visible(kube.wait_pod_log(e2e.cluster, pod.name, "end-of-report"))
+        got.append(device)
+    assert sorted(got) == ["sim-npu-0-3g-0", "sim-npu-0-3g-3", "sim-npu-1-3g-0", "sim-npu-1-3g-3"]
+    fifth = dra.claim_pod(e2e, "part-4", REPORT, three)
+    whole_cls = dra.claim_template(
+        e2e, "whole", [{"name": "npu", "exactly": dra.exactly(cls, 1, f"!has({attr}.profile)")}]
+    )
+    whole = dra.claim_pod(e2e, "whole", REPORT, whole_cls)
+
+    def unschedulable(name: str) -> str | None:
+        for event in kube.events_for(e2e.cluster, name):
+            if event.get("reason") == "FailedScheduling":
+                return str(event.get("message"))
+        return None
+
+    for name in (fifth.name, whole.name):
+        kube.wait_until(f"FailedScheduling for {name}", partial(unschedulable, name), timeout=60)
+        assert kube.get_pod(e2e.cluster, name)["status"]["phase"] == "Pending"
+    one = dra.claim_template(
+        e2e, "one-slice", [{"name": "npu", "exactly": dra.exactly(cls, 1, f'{attr}.profile == "1g"')}]
+    )
+    small = dra.claim_pod(e2e, "small", REPORT, one)  # slice 6 of either device is still free
+    kube.wait_pod_phase(e2e.cluster, small.name, "Running")
+    assert visible(kube.wait_pod_log(e2e.cluster, small.name, "end-of-report"))[0].endswith("-1g-6")

@@ -107,6 +107,9 @@ class ResourceConfig(_Model):
     @model_validator(mode="after")
     def _serving(self) -> ResourceConfig:
         if self.serve != "dra":
+            why = self.backend_config.dra_only()
+            if why is not None:
+                raise ValueError(f"{why}: only DRA can serve that (set serve: dra)")
             return self
         if self.cdi.enabled:
             raise ValueError(

@@ -33,6 +33,10 @@ class BackendConfig(BaseModel):
         with ValueError."""
         return configured
 
+    def dra_only(self) -> str | None:
+        """Why this section can only be served through DRA (None: either way); refused at load otherwise."""
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
 from kxpu.backends.mounts import MountConfig
+from kxpu.backends.partitions import PartitionLayout, counter_set, partition_devices
 from kxpu.backends.registry import BackendConfig, register_backend
 from kxpu.backends.templates import EnvTemplates, render_env
 from kxpu.fswatch import directory_changes
@@ -30,6 +31,7 @@ from kxpu.model import (
     Backend,
     BackendError,
     ContainerEdits,
+    CounterSet,
     Device,
     DeviceUsage,
     Health,
@@ -66,6 +68,11 @@ class SimulatedConfig(BackendConfig):
     mounts: list[MountConfig] = Field(default_factory=list)
     # Per device index: a different model, memory or core count (IDs stay <model>-<index>).
     devices: dict[int, SimulatedDevice] = Field(default_factory=dict)
+    # Each device also offered as MIG-style partitions (kxpu.backends.partitions): DRA only.
+    partitions: PartitionLayout | None = None
+
+    def dra_only(self) -> str | None:
+        return None if self.partitions is None else "simulated.partitions offers overlapping partitions"
 
     @field_validator("model")
     @classmethod
@@ -89,7 +96,13 @@ class SimulatedConfig(BackendConfig):
 class SimulatedBackend(Backend):
     def __init__(self, config: SimulatedConfig) -> None:
         self.config = config
-        self._all = [self._make(i) for i in range(config.count)]
+        self._physical = [self._make(i) for i in range(config.count)]
+        layout = config.partitions
+        self._all = (
+            self._physical
+            if layout is None
+            else [p for whole in self._physical for p in partition_devices(whole, layout)]
+        )
         self._states: dict[str, str] = {}
 
     def _make(self, index: int) -> Device:
@@ -110,7 +123,8 @@ class SimulatedBackend(Backend):
         self._read_state()
         out = []
         for device in self._all:
-            state = self._states.get(device.id, "Healthy")
+            # A partition is as healthy as the device it is cut from (the state file names devices).
+            state = self._states.get(str(device.extra.get("parent", device.id)), "Healthy")
             if state == "Absent":
                 continue
             out.append(device.with_health(Health(state), reason="state-file"))
@@ -131,7 +145,7 @@ class SimulatedBackend(Backend):
         if not isinstance(raw, dict):
             log.warning("state file must hold a JSON object, keeping the last good state", path=str(path))
             return
-        known = {d.id for d in self._all}
+        known = {d.id for d in self._physical}
         states: dict[str, str] = {}
         for device_id, state in raw.items():
             if device_id not in known:
@@ -163,6 +177,17 @@ class SimulatedBackend(Backend):
         self, available: Sequence[Device], must_include: Sequence[Device], size: int
     ) -> list[str]:
         return numa_packed(available, must_include, size)
+
+    # Partitioner: the simulated partitions always exist (static), so realizing and releasing change nothing.
+    def counter_sets(self) -> list[CounterSet]:
+        layout = self.config.partitions
+        return [] if layout is None else [counter_set(whole, layout) for whole in self._physical]
+
+    def realize(self, devices: Sequence[Device]) -> list[tuple[Device, dict[str, str | int]]]:
+        return [(device, {}) for device in devices]
+
+    def release(self, handles: Sequence[Mapping[str, str | int]]) -> None:
+        return None
 
     def sample(self) -> TelemetrySample:
         figures = self._read_telemetry()

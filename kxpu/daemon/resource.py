@@ -179,6 +179,11 @@ class ResourceRunner:
             if self.config.serve == "dra":
                 await self._run_dra(backend)
                 return
+            if any(d.consumes for d in self.snapshot.devices.values()):
+                raise BackendError(
+                    f"{self.config.name} offers overlapping partitions, which only DRA can serve (the device plugin's "
+                    "kubelet would hand them out together): set serve: dra"
+                )
             servicer = DevicePluginServicer(self.config.name, backend, self.snapshot)
             self.log.info(
                 "backend ready",

@@ -47,6 +47,8 @@ class PreparedDevice:
     # A share's grant (consumable capacity): memory in MiB and compute in percent.
     memory_mib: int | None = None
     cores: int | None = None
+    # A partition made for this claim (Partitioner.realize): what releasing it needs.
+    partition: Mapping[str, str | int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,7 @@ def _claim_to_json(claim: PreparedClaim) -> dict[str, Any]:
                 **({"shareID": d.share_id} if d.share_id else {}),
                 **({"memoryMiB": d.memory_mib} if d.memory_mib is not None else {}),
                 **({"cores": d.cores} if d.cores is not None else {}),
+                **({"partition": dict(d.partition)} if d.partition else {}),
             }
             for d in claim.devices
         ],
@@ -97,6 +100,7 @@ def _claim_from_json(raw: Mapping[str, Any]) -> PreparedClaim:
                 share_id=d.get("shareID"),
                 memory_mib=d.get("memoryMiB"),
                 cores=d.get("cores"),
+                partition=d.get("partition"),
             )
             for d in raw["devices"]
         ),

@@ -24,9 +24,9 @@ class DraSharesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
     memory_step_mib: int = Field(
-        default=256, ge=1, description="requests are rounded up to multiples of this"
+        default=256, ge=1, alias="memoryStepMiB", description="requests are rounded up to multiples of this"
     )
-    min_memory_mib: int = Field(default=256, ge=0)
+    min_memory_mib: int = Field(default=256, ge=0, alias="minMemoryMiB")
     memory_scaling: float = Field(default=1.0, gt=0, le=100, description="publish physical memory times this")
     core_scaling: float = Field(default=1.0, gt=0, le=100, description="publish 100 percent times this")
     memory_limit_env: str = "CUDA_DEVICE_MEMORY_LIMIT_{i}"

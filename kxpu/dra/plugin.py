@@ -42,7 +42,7 @@ from kxpu.dra.service import RegistrationServicer, add_dra_services
 from kxpu.dra.slices import SharePolicy
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
-from kxpu.model import Backend
+from kxpu.model import Backend, Partitioner
 from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.dra.plugin")
@@ -159,6 +159,7 @@ class DraPlugin:
         pod_resources: Path | None = None,
     ) -> None:
         settings = settings or DraConfig()
+        self.backend = backend
         self.pod_resources = pod_resources
         # Devices pods still hold through the device plugin (this node served the resource that way before):
         # tainted, never prepared, until those pods are gone.
@@ -330,7 +331,12 @@ class DraPlugin:
             self._held_changed.clear()
             self.preparer.update_devices(self.snapshot.devices)
             try:
-                await self.publisher.publish(list(self.snapshot.devices.values()), self.held)
+                counter_sets = (
+                    await asyncio.to_thread(self.backend.counter_sets)
+                    if isinstance(self.backend, Partitioner)
+                    else ()
+                )
+                await self.publisher.publish(list(self.snapshot.devices.values()), self.held, counter_sets)
                 self.published_revision = revision
                 backoff.reset()
                 delay = None

@@ -39,6 +39,7 @@ from kxpu.model import (
     ContainerEdits,
     Device,
     DeviceShare,
+    Partitioner,
     ShareAllocator,
     share_limit_env,
 )
@@ -131,6 +132,7 @@ class Preparer:
             raise ClaimError(f"ResourceClaim {ref.ref} does not exist (deleted while the pod was starting?)")
         allocation = allocation_for(claim, ref.uid, self.driver, self.pool)
         chosen = self._lookup(allocation)
+        chosen, handles = await self._realize(allocation, chosen)
         by_request: dict[str, list[tuple[AllocatedDevice, Device]]] = {}
         for allocated, device in chosen:
             by_request.setdefault(parent_request(allocated.request), []).append((allocated, device))
@@ -157,9 +159,14 @@ class Preparer:
                         share_id=allocated.share_id,
                         memory_mib=grant.memory_mib if allocated.share_id else None,
                         cores=grant.cores if allocated.share_id else None,
+                        partition=handles.get(allocated.device),
                     )
                 )
-        spec_path = await asyncio.to_thread(self._write_spec, ref.uid, entries) if entries else None
+        try:
+            spec_path = await asyncio.to_thread(self._write_spec, ref.uid, entries) if entries else None
+        except BaseException:
+            await self._release([h for h in handles.values() if h])
+            raise
         self.checkpoint.claims[ref.uid] = PreparedClaim(
             ref.namespace, ref.name, str(spec_path) if spec_path else None, tuple(prepared)
         )
@@ -169,6 +176,7 @@ class Preparer:
             del self.checkpoint.claims[ref.uid]
             if spec_path is not None:
                 spec_path.unlink(missing_ok=True)
+            await self._release([h for h in handles.values() if h])
             raise
         self.log.info(
             "claim prepared",
@@ -202,6 +210,58 @@ class Preparer:
                 self._check_not_taken(allocation, allocated, device)
             chosen.append((allocated, device))
         return chosen
+
+    async def _realize(
+        self, allocation: ClaimAllocation, chosen: list[tuple[AllocatedDevice, Device]]
+    ) -> tuple[list[tuple[AllocatedDevice, Device]], dict[str, dict[str, str | int]]]:
+        """Partitions that exist only while used are made now (``Partitioner.realize``); the devices come back
+        as they now are (a MIG device's UUID), with what releasing them needs, by DRA device name."""
+        partitions = [(a, d) for a, d in chosen if d.consumes]
+        if not partitions:
+            return chosen, {}
+        if not isinstance(self.backend, Partitioner):
+            raise ClaimError(
+                f"ResourceClaim {allocation.ref}: driver {self.driver}'s backend makes no partitions"
+            )
+        await self._check_counters(allocation, [d for _, d in partitions])
+        made = await asyncio.to_thread(self.backend.realize, [d for _, d in partitions])
+        if len(made) != len(partitions):
+            raise BackendError(f"the backend made {len(made)} partitions for {len(partitions)} asked")
+        realized = {
+            a.device: (device, dict(handle))
+            for (a, _), (device, handle) in zip(partitions, made, strict=True)
+        }
+        devices = [(a, realized[a.device][0] if a.device in realized else d) for a, d in chosen]
+        return devices, {name: handle for name, (_, handle) in realized.items()}
+
+    async def _check_counters(self, allocation: ClaimAllocation, devices: list[Device]) -> None:
+        """The last line of defence for partitions: what prepared partitions and these draw from each counter
+        set never exceeds it (the scheduler's job, checked again here)."""
+        assert isinstance(self.backend, Partitioner)
+        capacity = {c.name: dict(c.counters) for c in await asyncio.to_thread(self.backend.counter_sets)}
+        drawn: dict[tuple[str, str], int] = {}
+        prepared = [
+            self._by_name[d.device]
+            for uid, claim in self.checkpoint.claims.items()
+            if uid != allocation.uid
+            for d in claim.devices
+            if d.device in self._by_name
+        ]
+        for device in [*prepared, *devices]:
+            for counter_set, counters in device.consumes.items():
+                for counter, amount in counters.items():
+                    drawn[(counter_set, counter)] = drawn.get((counter_set, counter), 0) + amount
+        over = sorted(k for k, v in drawn.items() if v > capacity.get(k[0], {}).get(k[1], 0))
+        if over:
+            used_up = ", ".join(f"{s}/{c}" for s, c in over)
+            raise ClaimError(
+                f"ResourceClaim {allocation.ref}: {', '.join(d.id for d in devices)} would overlap partitions "
+                f"already prepared on this node ({used_up} used up); refusing"
+            )
+
+    async def _release(self, handles: list[dict[str, str | int]]) -> None:
+        if handles and isinstance(self.backend, Partitioner):
+            await asyncio.to_thread(self.backend.release, handles)
 
     def _check_not_taken(
         self, allocation: ClaimAllocation, allocated: AllocatedDevice, device: Device
@@ -300,6 +360,13 @@ class Preparer:
             changed = False
             for ref in refs:
                 known = self.checkpoint.claims.pop(ref.uid, None)
+                if known is not None:
+                    try:
+                        await self._release([dict(d.partition) for d in known.devices if d.partition])
+                    except (BackendError, OSError) as exc:
+                        self.checkpoint.claims[ref.uid] = known
+                        results[ref.uid] = f"{ref.ref}: cannot destroy its partitions: {exc}"
+                        continue
                 paths = {self.spec_path(ref.uid)}
                 if known is not None and known.cdi_spec:
                     paths.add(Path(known.cdi_spec))

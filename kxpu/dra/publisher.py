@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from kxpu.dra.slices import PoolContent, SharePolicy, Unhealthy, pool_content, same_devices
 from kxpu.logs import get_logger
-from kxpu.model import Device
+from kxpu.model import CounterSet, Device
 
 log = get_logger("kxpu.dra.publisher")
 
@@ -50,6 +50,13 @@ def slice_name(node: str, driver: str, index: int) -> str:
         digest = hashlib.sha256(raw.encode()).hexdigest()[:10]
         raw = raw[: MAX_NAME - len(suffix) - 11].rstrip("-.") + "-" + digest
     return raw + suffix
+
+
+def _slice_order(obj: Mapping[str, Any]) -> tuple[int, str]:
+    """Slices by the index their name ends in (``…-10`` after ``…-9``), other names last."""
+    name = str(obj["metadata"]["name"])
+    tail = name.rsplit("-", 1)[-1]
+    return (int(tail) if tail.isdigit() else 1 << 30, name)
 
 
 def _generation(obj: Mapping[str, Any]) -> int:
@@ -106,19 +113,22 @@ class SlicePublisher:
         self._node_uid: str | None = None
         self.log = log.bind(driver=driver, node=node)
 
-    async def publish(self, devices: Sequence[Device], held: frozenset[str] = frozenset()) -> bool:
-        """Make the API match ``devices`` (``held``: IDs device-plugin pods still hold); True if anything was
-        written."""
+    async def publish(
+        self,
+        devices: Sequence[Device],
+        held: frozenset[str] = frozenset(),
+        counter_sets: Sequence[CounterSet] = (),
+    ) -> bool:
+        """Make the API match ``devices`` (``held``: IDs device-plugin pods still hold; ``counter_sets``: what
+        partitions draw from); True if anything was written."""
         if self._node_uid is None:
             self._node_uid = await self.api.node_uid(self.node)
-        existing = sorted(
-            await self.api.list_slices(self.driver, self.node), key=lambda o: o["metadata"]["name"]
-        )
+        existing = sorted(await self.api.list_slices(self.driver, self.node), key=_slice_order)
         foreign = [o for o in existing if not _owned_by(o, self._node_uid)]
         mine = [o for o in existing if _owned_by(o, self._node_uid)]
         self.generation = max([self.generation, *(_generation(o) for o in existing)])
         current = pool_content(
-            self.driver, self.node, devices, self.generation, self.unhealthy, self.shares, held
+            self.driver, self.node, devices, self.generation, self.unhealthy, self.shares, held, counter_sets
         )
         specs = [o.get("spec") or {} for o in mine]
         up_to_date = (
@@ -137,7 +147,7 @@ class SlicePublisher:
             await self.api.delete_slice(obj["metadata"]["name"])
         self.generation += 1
         content = pool_content(
-            self.driver, self.node, devices, self.generation, self.unhealthy, self.shares, held
+            self.driver, self.node, devices, self.generation, self.unhealthy, self.shares, held, counter_sets
         )
         by_name = {o["metadata"]["name"]: o for o in mine}
         wanted = {slice_name(self.node, self.driver, i): spec for i, spec in enumerate(content.slices)}
@@ -151,7 +161,7 @@ class SlicePublisher:
                     "are withdrawn from the ResourceSlice instead"
                 )
                 self.unhealthy = "withdraw"
-                return await self.publish(devices, held) or True
+                return await self.publish(devices, held, counter_sets) or True
         for name in by_name.keys() - wanted.keys():
             await self.api.delete_slice(name)
         self.published = content

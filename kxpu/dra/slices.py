@@ -26,12 +26,13 @@ from typing import Any, Literal
 
 from kxpu.dra.names import device_name
 from kxpu.logs import get_logger
-from kxpu.model import Device
+from kxpu.model import CounterSet, Device
 
 log = get_logger("kxpu.dra.slices")
 
 MAX_DEVICES_PER_SLICE = 128
-MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64
+MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64  # also with counters: the API's limit for "advanced" devices
+MAX_COUNTER_SETS_PER_SLICE = 8
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_STRING_VALUE = 64
 MAX_IDENTIFIER = 32
@@ -204,6 +205,14 @@ def device_entry(
         entry["capacity"] = capacity
     if shares is not None:
         entry["allowMultipleAllocations"] = True
+    if device.consumes:  # backends name counter sets and counters freely; the API wants DNS labels
+        entry["consumesCounters"] = [
+            {
+                "counterSet": device_name(name),
+                "counters": {device_name(c): {"value": str(v)} for c, v in sorted(counters.items())},
+            }
+            for name, counters in sorted(device.consumes.items())
+        ]
     taints = []
     if not device.healthy and unhealthy == "taint":
         taints.append(
@@ -224,6 +233,7 @@ def pool_content(
     unhealthy: Unhealthy,
     shares: SharePolicy | None = None,
     held: frozenset[str] = frozenset(),
+    counter_sets: Sequence[CounterSet] = (),
 ) -> PoolContent:
     """The pool's slices at ``generation``: devices in the backend's order (the allocator's first-fit
     order), withdrawn ones left out. A pool with no device still has one empty slice, so consumers see
@@ -234,14 +244,29 @@ def pool_content(
         for d in devices
         if unhealthy == "taint" or (d.healthy and d.id not in held)
     ]
-    size = MAX_DEVICES_PER_SLICE_WITH_TAINTS if unhealthy == "taint" else MAX_DEVICES_PER_SLICE
-    chunks = [entries[i : i + size] for i in range(0, len(entries), size)] or [[]]
+    advanced = unhealthy == "taint" or bool(counter_sets)
+    size = MAX_DEVICES_PER_SLICE_WITH_TAINTS if advanced else MAX_DEVICES_PER_SLICE
+    chunks: list[dict[str, Any]] = [
+        {"devices": entries[i : i + size]} for i in range(0, len(entries), size)
+    ] or [{"devices": []}]
+    # Counter sets live in slices of their own (a slice holds devices or counters, not both).
+    sets = [
+        {
+            "name": device_name(c.name),
+            "counters": {device_name(k): {"value": str(v)} for k, v in sorted(c.counters.items())},
+        }
+        for c in counter_sets
+    ]
+    chunks += [
+        {"sharedCounters": sets[i : i + MAX_COUNTER_SETS_PER_SLICE]}
+        for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE)
+    ]
     slices = tuple(
         {
             "driver": driver,
             "nodeName": node,
             "pool": {"name": node, "generation": generation, "resourceSliceCount": len(chunks)},
-            "devices": chunk,
+            **chunk,
         }
         for chunk in chunks
     )
@@ -253,7 +278,7 @@ def comparable(device: Mapping[str, Any]) -> dict[str, Any]:
     each taint's ``timeAdded``)."""
     out = {
         key: device[key]
-        for key in ("name", "attributes", "capacity", "allowMultipleAllocations")
+        for key in ("name", "attributes", "capacity", "allowMultipleAllocations", "consumesCounters")
         if device.get(key)
     }
     taints = [{k: t[k] for k in ("key", "value", "effect") if k in t} for t in device.get("taints") or []]
@@ -263,7 +288,11 @@ def comparable(device: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def same_devices(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether two slice spec lists publish the same devices (ignoring the pool's generation)."""
-    return [[comparable(d) for d in s.get("devices") or []] for s in a] == [
-        [comparable(d) for d in s.get("devices") or []] for s in b
-    ]
+    """Whether two slice spec lists publish the same devices and counters (ignoring the pool's generation)."""
+
+    def content(specs: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return [
+            ([comparable(d) for d in s.get("devices") or []], s.get("sharedCounters") or []) for s in specs
+        ]
+
+    return content(a) == content(b)

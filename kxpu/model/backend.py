@@ -9,7 +9,7 @@ interfaces). Backends never import the daemon, gRPC or Kubernetes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -117,6 +117,35 @@ class ShareAllocator(Protocol):
     as ``allocate``'s for those devices, plus whatever makes the limits hold."""
 
     def allocate_shares(self, shares: Sequence[DeviceShare]) -> ContainerEdits: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSet:
+    """What the partitions of one physical device draw from (DRA shared counters): named amounts, such as
+    one counter per memory slice of a GPU, so that partitions covering the same slice exclude each other."""
+
+    name: str  # a DNS label, unique within the backend
+    counters: Mapping[str, int]
+
+
+@runtime_checkable
+class Partitioner(Protocol):
+    """Offers devices that overlap: a whole GPU and the MIG-style partitions it could be cut into. Each such
+    device says what it draws from its physical device (``Device.consumes``); the DRA scheduler never
+    allocates devices that together draw more than a counter set holds. Only DRA can serve this (a device
+    plugin's kubelet would hand out overlapping devices), so the device-plugin path refuses it.
+
+    A partition may exist only while it is used (dynamic partitioning): ``realize`` creates the chosen
+    devices before a container gets them and returns them as they now are, each with what ``release`` needs
+    to destroy it again (kept on disk: the process that releases may not be the one that realized). Both may
+    block (they run in a worker thread); a backend whose partitions always exist returns its devices as they
+    are and an empty handle."""
+
+    def counter_sets(self) -> Sequence[CounterSet]: ...
+
+    def realize(self, devices: Sequence[Device]) -> Sequence[tuple[Device, Mapping[str, str | int]]]: ...
+
+    def release(self, handles: Sequence[Mapping[str, str | int]]) -> None: ...
 
 
 @runtime_checkable

@@ -53,6 +53,8 @@ class Device:
     extra: Mapping[str, str | int | bool] = field(default_factory=dict)
     # Why the device is unhealthy (e.g. "xid-79", "state-file"): counted in metrics, shown in logs.
     health_reason: str | None = None
+    # A partition's draw on its physical device: counter set name → counter → amount (``Partitioner``).
+    consumes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_device_id(self.id)

@@ -111,9 +111,14 @@ class FakeDraApi:
                 taint.setdefault("timeAdded", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             for capacity in device.get("capacity", {}).values():
                 capacity["value"] = canonical_quantity(capacity["value"])
+        counters = stored["spec"].get("sharedCounters") or []
+        if counters and devices:
+            raise ApiRefused(422, "spec: Only one of devices and sharedCounters can be set")
+        if len(counters) > 8:
+            raise ApiRefused(422, f"spec.sharedCounters: Too many: {len(counters)}: must have at most 8 items")
         limit = (
             MAX_DEVICES_PER_SLICE_WITH_TAINTS
-            if any(d.get("taints") for d in devices)
+            if any(d.get("taints") or d.get("consumesCounters") for d in devices)
             else MAX_DEVICES_PER_SLICE
         )
         if len(devices) > limit:
@@ -170,7 +175,7 @@ class FakeDraApi:
         current = [s for s in mine if s["pool"]["generation"] == newest]
         if len(current) != current[0]["pool"]["resourceSliceCount"]:
             return []
-        return [d for s in current for d in s["devices"]]
+        return [d for s in current for d in s.get("devices", [])]
 
     # -- ClaimSource ------------------------------------------------------------------------------------
     def add_claim(
