@@ -146,8 +146,11 @@ async def node_status(pod_resources_socket: Path, daemon_url: str, all_resources
         # DRA: the driver's prepared claims hold its devices (the kubelet's PodResources shows them per pod only
         # on newer kubelets); shown as "claim <namespace>/<name>".
         for claim in (info.get("dra") or {}).get("claims", {}).values():
+            shares = claim.get("shares") or {}
             for device_id in claim.get("devices", []):
-                held.setdefault((resource, device_id), []).append(f"claim {claim.get('claim')}")
+                share = shares.get(device_id)
+                what = f" ({share.get('memoryMiB')} MiB, {share.get('cores')}%)" if share else ""
+                held.setdefault((resource, device_id), []).append(f"claim {claim.get('claim')}{what}")
         for d in info.get("devices", []):
             uuid = d.get("uuid") or d["id"]
             figure = figures.get((resource, uuid), {})

@@ -282,3 +282,21 @@ async def test_devices_held_through_the_device_plugin_are_kept_out_until_release
         assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
     finally:
         await dp_kubelet.stop()
+
+
+async def test_kxpu_status_shows_claims_and_their_shares(rig: Rig) -> None:
+    from kxpu.status import format_table, node_status
+    from kxpu.testing.process import free_port
+
+    port = free_port()
+    config = rig.config(dra={"nodeName": NODE, "cdiSpecDir": str(rig.cdi), "shares": {}})
+    rig.daemon = Daemon(config, lambda: config, _build, http_address=f"127.0.0.1:{port}", dra=rig.factory)
+    rig.task = asyncio.create_task(rig.daemon.run())
+    await rig.kubelet.wait_registered(DRIVER)
+    share = {**result("sim-1"), "shareID": "7f1c", "consumedCapacity": {"memory": "4Gi", "cores": "25"}}
+    claim = rig.api.add_claim("c", [share])
+    assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+    status = await node_status(rig.root / "no-kubelet.sock", f"http://127.0.0.1:{port}")
+    holders = {d.id: d.holders for d in status.devices}
+    assert holders["sim-1"] == ["claim default/c (4096 MiB, 25%)"]
+    assert "claim default/c (4096 MiB, 25%)" in format_table(status)

@@ -159,3 +159,69 @@ def test_no_sequence_of_prepares_and_unprepares_over_commits(
 def test_share_env_names_are_checked(bad: str) -> None:
     with pytest.raises(ValueError, match="needs \\{i\\}"):
         DraSharesConfig(memory_limit_env=bad)
+
+
+async def test_sharing_strategy_in_the_opaque_config(tmp_path: Path) -> None:
+    preparer, api = make(tmp_path)
+    mps = {
+        "opaque": {
+            "driver": DRIVER,
+            "parameters": {
+                "apiVersion": "kxpu.io/v1alpha1",
+                "kind": "DeviceConfig",
+                "sharing": {"strategy": "MPS"},
+            },
+        }
+    }
+    claim = api.add_claim("a", [share("sim-0", "4Gi", "25")], config=[mps])
+    error = (await preparer.prepare([claim]))[claim.uid].error or ""
+    assert "sharing strategy MPS asked, but driver npu.example.com's backend cannot enforce shares" in error
+    typo = {
+        "opaque": {
+            "driver": DRIVER,
+            "parameters": {
+                "apiVersion": "kxpu.io/v1alpha1",
+                "kind": "DeviceConfig",
+                "sharing": {"strategy": "Mps"},
+            },
+        }
+    }
+    claim = api.add_claim("b", [share("sim-0", "4Gi", "25")], config=[typo])
+    assert "Input should be 'TimeSlicing' or 'MPS'" in (
+        (await preparer.prepare([claim]))[claim.uid].error or ""
+    )
+    sliced = {
+        "opaque": {
+            "driver": DRIVER,
+            "parameters": {
+                "apiVersion": "kxpu.io/v1alpha1",
+                "kind": "DeviceConfig",
+                "sharing": {"strategy": "TimeSlicing"},
+            },
+        }
+    }
+    claim = api.add_claim("c", [share("sim-0", "4Gi", "25")], config=[sliced])
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+
+
+async def test_a_backend_that_enforces_shares_gets_them(tmp_path: Path) -> None:
+    from collections.abc import Sequence
+
+    from kxpu.model import ContainerEdits, DeviceShare
+
+    class Enforcing(SimulatedBackend):
+        def allocate_shares(self, shares: Sequence[DeviceShare]) -> ContainerEdits:
+            edits = self.allocate([s.device for s in shares])
+            edits.env["ENFORCED"] = ",".join(f"{s.device.id}:{s.memory_mib}:{s.cores}" for s in shares)
+            return edits
+
+    backend = Enforcing(SimulatedConfig(count=1, model="sim", memory_mib=16384))
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json", DRIVER)
+    api = FakeDraApi()
+    preparer = Preparer(
+        DRIVER, NODE, backend, index_by_id(backend.discover()), checkpoint, tmp_path / "cdi", api, SHARES
+    )
+    claim = api.add_claim("a", [share("sim-0", "4Gi", "25")])
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    env = json.loads(preparer.spec_path(claim.uid).read_text())["devices"][0]["containerEdits"]["env"]
+    assert "ENFORCED=sim-0:4096:25" in env and "CUDA_DEVICE_MEMORY_LIMIT_0=4096m" in env

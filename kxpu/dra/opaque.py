@@ -10,6 +10,7 @@ refused with the field named), because a typo silently ignored is a workload sil
         apiVersion: kxpu.io/v1alpha1
         kind: DeviceConfig
         env: {NPU_LOG_LEVEL: debug}     # extra environment for the containers using these devices
+        sharing: {strategy: MPS}        # how a share is enforced: TimeSlicing (default) or MPS
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ KIND = "DeviceConfig"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+class SharingConfig(BaseModel):
+    """How a share of a device (consumable capacity) is enforced in the container, with NVIDIA's names:
+    ``TimeSlicing`` (HAMi-core's limit variables, cooperative) or ``MPS`` (the driver's MPS server enforces
+    the memory limit and thread share; needs a backend that can, e.g. nvidia with ``sharing.mps``). Unset:
+    MPS where the backend enforces shares itself, else TimeSlicing. A claim that wants a device to itself
+    asks for no capacity amounts: it then consumes the whole device."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    strategy: Literal["TimeSlicing", "MPS"]
+
+
 class DeviceConfig(BaseModel):
     """The parameters, after merging class and claim configs (both fields optional for merging)."""
 
@@ -35,6 +48,7 @@ class DeviceConfig(BaseModel):
     api_version: Literal["kxpu.io/v1alpha1"] = Field(default="kxpu.io/v1alpha1", alias="apiVersion")
     kind: Literal["DeviceConfig"] = "DeviceConfig"
     env: dict[str, str] = Field(default_factory=dict)
+    sharing: SharingConfig | None = None
 
     @field_validator("env")
     @classmethod
@@ -50,7 +64,7 @@ class DeviceConfig(BaseModel):
 
     def merged_with(self, later: DeviceConfig) -> DeviceConfig:
         """``later`` applied over this one (a claim's config over its class's)."""
-        return DeviceConfig(env={**self.env, **later.env})
+        return DeviceConfig(env={**self.env, **later.env}, sharing=later.sharing or self.sharing)
 
 
 def parse_device_config(parameters: Any) -> DeviceConfig:

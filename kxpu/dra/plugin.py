@@ -365,7 +365,21 @@ class DraPlugin:
             "registered": self.registered,
             "generation": self.publisher.generation,
             "claims": {
-                uid: {"claim": claim.ref, "devices": [d.id for d in claim.devices]}
+                uid: {
+                    "claim": claim.ref,
+                    "devices": [d.id for d in claim.devices],
+                    **(
+                        {
+                            "shares": {
+                                d.id: {"memoryMiB": d.memory_mib, "cores": d.cores}
+                                for d in claim.devices
+                                if d.share_id
+                            }
+                        }
+                        if any(d.share_id for d in claim.devices)
+                        else {}
+                    ),
+                }
                 for uid, claim in list(self.checkpoint.claims.items())
             },
         }

@@ -319,8 +319,22 @@ class Preparer:
         shared = self.shares is not None and any(
             g.cores < 100 or g.memory_mib < (g.device.memory_mib or 0) for g in grants
         )
-        if shared and isinstance(self.backend, ShareAllocator):  # the vendor enforces the grant itself (MPS)
-            edits = self.backend.allocate_shares(grants)
+        # Unset: the backend's own way (MPS where it enforces shares itself), else HAMi-core's variables.
+        strategy = next(
+            (
+                c.sharing.strategy
+                for r, c in allocation.configs.items()
+                if parent_request(r) == request and c.sharing is not None
+            ),
+            "MPS" if isinstance(self.backend, ShareAllocator) else "TimeSlicing",
+        )
+        if strategy == "MPS" and not isinstance(self.backend, ShareAllocator):
+            raise ClaimError(
+                f"ResourceClaim {allocation.ref}: sharing strategy MPS asked, but driver {self.driver}'s backend cannot "
+                "enforce shares itself (for nvidia: sharing.mps in its config)"
+            )
+        if shared and strategy == "MPS" and isinstance(self.backend, ShareAllocator):
+            edits = self.backend.allocate_shares(grants)  # the vendor enforces the grant itself (MPS limits)
         elif isinstance(self.backend, AsyncAllocator):
             edits = await self.backend.allocate_async(devices)
         else:

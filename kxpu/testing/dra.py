@@ -115,7 +115,9 @@ class FakeDraApi:
         if counters and devices:
             raise ApiRefused(422, "spec: Only one of devices and sharedCounters can be set")
         if len(counters) > 8:
-            raise ApiRefused(422, f"spec.sharedCounters: Too many: {len(counters)}: must have at most 8 items")
+            raise ApiRefused(
+                422, f"spec.sharedCounters: Too many: {len(counters)}: must have at most 8 items"
+            )
         limit = (
             MAX_DEVICES_PER_SLICE_WITH_TAINTS
             if any(d.get("taints") or d.get("consumesCounters") for d in devices)
