@@ -21,12 +21,16 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
 from kxpu.daemon import metrics, telemetry_metrics
+from kxpu.dra import metrics as dra_metrics
 from kxpu.sharing import extender_metrics, webhook_metrics
 
 GRAFANA = Path(__file__).resolve().parents[1] / "grafana"
 # dashboard file -> (its uid, the metric names it must show and may query)
 DASHBOARDS = {
-    "kxpu-node.json": ("kxpu-node", metrics.METRIC_NAMES | telemetry_metrics.METRIC_NAMES),
+    "kxpu-node.json": (
+        "kxpu-node",
+        metrics.METRIC_NAMES | telemetry_metrics.METRIC_NAMES | dra_metrics.METRIC_NAMES,
+    ),
     "kxpu-scheduler.json": ("kxpu-scheduler", extender_metrics.METRIC_NAMES | webhook_metrics.METRIC_NAMES),
 }
 ALL_NAMES = frozenset().union(*(names for _, names in DASHBOARDS.values()))

@@ -34,6 +34,7 @@ from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.holders import HolderError, list_pod_resources
 from kxpu.daemon.registration import FileIdentity, file_identity
 from kxpu.daemon.servicer import DeviceSnapshot
+from kxpu.dra import metrics
 from kxpu.dra.checkpoint import Checkpoint
 from kxpu.dra.config import DraConfig
 from kxpu.dra.prepare import ClaimSource, Preparer
@@ -219,6 +220,7 @@ class DraPlugin:
 
     def _on_registration(self, registered: bool, error: str) -> None:
         self.registered, self.registration_error = registered, error
+        metrics.DRIVER_REGISTERED.labels(self.driver).set(1 if registered else 0)
         if registered:
             self.log.info("registered with the kubelet")
         else:
@@ -249,6 +251,7 @@ class DraPlugin:
             await self.registration.stop(0.5)
             await self.dra.stop(0.5)
             self.registered = False
+            metrics.DRIVER_REGISTERED.labels(self.driver).set(0)
 
     async def _serve_loop(self) -> None:
         backoff = Backoff(initial=0.1, maximum=10.0)
@@ -336,11 +339,16 @@ class DraPlugin:
                     if isinstance(self.backend, Partitioner)
                     else ()
                 )
-                await self.publisher.publish(list(self.snapshot.devices.values()), self.held, counter_sets)
+                written = await self.publisher.publish(
+                    list(self.snapshot.devices.values()), self.held, counter_sets
+                )
+                metrics.SLICE_WRITES.labels(self.driver, "written" if written else "unchanged").inc()
+                metrics.POOL_GENERATION.labels(self.driver).set(self.publisher.generation)
                 self.published_revision = revision
                 backoff.reset()
                 delay = None
             except Exception as exc:  # the API server's answer or the connection's failure: retried
+                metrics.SLICE_WRITES.labels(self.driver, "failed").inc()
                 delay = backoff.next_delay()
                 self.log.error(
                     "publishing ResourceSlices failed; retrying",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 
 from kxpu.atomicfile import write_atomically
 from kxpu.cdi.spec import build_spec, qualified_name, validate_spec
+from kxpu.dra import metrics
 from kxpu.dra.checkpoint import Checkpoint, CheckpointError, PreparedClaim, PreparedDevice
 from kxpu.dra.claims import AllocatedDevice, ClaimAllocation, ClaimError, allocation_for
 from kxpu.dra.config import DraSharesConfig
@@ -114,13 +116,17 @@ class Preparer:
         async with self._lock:
             results: dict[str, Prepared] = {}
             for ref in refs:
+                started = time.perf_counter()
                 try:
                     results[ref.uid] = Prepared(devices=await self._prepare_one(ref))
+                    metrics.PREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
                 except (ClaimError, BackendError, CheckpointError, OSError) as exc:
+                    metrics.PREPARE_ERRORS.labels(self.driver).inc()
                     message = str(exc) if not isinstance(exc, OSError) else f"{ref.ref}: {exc}"
                     self.log.warning("claim not prepared", claim=ref.ref, uid=ref.uid, reason=message)
                     results[ref.uid] = Prepared(error=message)
                     await self.claims.claim_event(ref, "KxpuPrepareFailed", message)
+            metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
             return results
 
     async def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
@@ -373,6 +379,7 @@ class Preparer:
             results: dict[str, str | None] = {}
             changed = False
             for ref in refs:
+                started = time.perf_counter()
                 known = self.checkpoint.claims.pop(ref.uid, None)
                 if known is not None:
                     try:
@@ -394,6 +401,7 @@ class Preparer:
                     continue
                 changed = changed or known is not None
                 results[ref.uid] = None
+                metrics.UNPREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
                 if known is not None:
                     self.log.info("claim unprepared", claim=ref.ref, uid=ref.uid)
             if changed:
@@ -403,6 +411,7 @@ class Preparer:
                     for ref in refs:
                         if results.get(ref.uid) is None:
                             results[ref.uid] = str(exc)
+            metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
             return results
 
     def remove_orphan_specs(self) -> list[Path]:

@@ -1,0 +1,47 @@
+"""Prometheus metrics of kxpu's DRA drivers (on the node daemon's /metrics, beside the device plugin's).
+Names are documented in the README; the dashboard test checks the node dashboard uses only these."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Prepare reads the claim from the API server and writes a CDI spec: milliseconds, with a tail.
+_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+
+PREPARE_SECONDS = Histogram(
+    "kxpu_dra_prepare_duration_seconds",
+    "NodePrepareResources handling time per claim",
+    ["driver"],
+    buckets=_BUCKETS,
+)
+UNPREPARE_SECONDS = Histogram(
+    "kxpu_dra_unprepare_duration_seconds",
+    "NodeUnprepareResources handling time per claim",
+    ["driver"],
+    buckets=_BUCKETS,
+)
+PREPARE_ERRORS = Counter("kxpu_dra_prepare_errors", "Claims refused or failed at prepare", ["driver"])
+CLAIMS_PREPARED = Gauge("kxpu_dra_claims_prepared", "Claims prepared on this node now", ["driver"])
+DRIVER_REGISTERED = Gauge(
+    "kxpu_dra_registered", "1 while the kubelet has accepted the DRA driver", ["driver"]
+)
+SLICE_WRITES = Counter(
+    "kxpu_dra_slice_publications",
+    "ResourceSlice publications, by result (written, unchanged, failed)",
+    ["driver", "result"],
+)
+POOL_GENERATION = Gauge(
+    "kxpu_dra_pool_generation", "Generation of the node's pool as last published", ["driver"]
+)
+
+METRIC_NAMES = frozenset(
+    {
+        "kxpu_dra_prepare_duration_seconds",
+        "kxpu_dra_unprepare_duration_seconds",
+        "kxpu_dra_prepare_errors",
+        "kxpu_dra_claims_prepared",
+        "kxpu_dra_registered",
+        "kxpu_dra_slice_publications",
+        "kxpu_dra_pool_generation",
+    }
+)
