@@ -5,7 +5,8 @@ A device of ``slices`` slices is offered whole and as partitions of each profile
 3-slice placements). Each draws one unit from every slice it covers, out of the device's counter set
 (``s0`` … ``s<n-1>``), so DRA's scheduler never hands out two that overlap, nor the whole device with a
 part of it. Partition IDs are ``<device>-<k>g-<start>``; a partition's memory is its share of the
-device's.
+device's. Every one of them, the whole device too (profile ``<slices>g``), has the attributes
+``profile``, ``placement`` and ``parent``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,15 @@ def counter_set(whole: Device, layout: PartitionLayout) -> CounterSet:
 def partition_devices(whole: Device, layout: PartitionLayout) -> list[Device]:
     """The whole device (drawing every slice) and every placement of every profile."""
     name = whole.id
-    out = [replace(whole, consumes={name: {f"s{i}": 1 for i in range(layout.slices)}})]
+    # The whole device is the largest profile: every device has the same attributes, so selectors on them
+    # never meet a device without one.
+    out = [
+        replace(
+            whole,
+            extra={**whole.extra, "parent": whole.id, "profile": f"{layout.slices}g", "placement": 0},
+            consumes={name: {f"s{i}": 1 for i in range(layout.slices)}},
+        )
+    ]
     for size in layout.profiles:
         for start in range(0, layout.slices - size + 1, size):
             device_id = f"{whole.id}-{size}g-{start}"
