@@ -193,7 +193,7 @@ def test_partitions_never_overlap(e2e: E2E) -> None:
     assert sorted(got) == ["sim-npu-0-3g-0", "sim-npu-0-3g-3", "sim-npu-1-3g-0", "sim-npu-1-3g-3"]
     fifth = dra.claim_pod(e2e, "part-4", REPORT, three)
     whole_cls = dra.claim_template(
-        e2e, "whole", [{"name": "npu", "exactly": dra.exactly(cls, 1, f"!has({attr}.profile)")}]
+        e2e, "whole", [{"name": "npu", "exactly": dra.exactly(cls, 1, f'{attr}.profile == "7g"')}]
     )
     whole = dra.claim_pod(e2e, "whole", REPORT, whole_cls)
 
