@@ -154,3 +154,14 @@ async def test_oversized_messages_are_refused(served: Any) -> None:
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 256" in (
         caught.value.details() or ""
     )
+
+
+async def test_claim_references_must_be_what_the_api_makes(served: Any) -> None:
+    """A UID becomes part of a file name: only letters, digits and '-' get near a path."""
+    kubelet, _, _ = served
+    for bad in (ClaimRef("ns", "../../etc/x", "c"), ClaimRef("NS", "u1", "c"), ClaimRef("ns", "u1", "c/d")):
+        for call in (kubelet.prepare, kubelet.unprepare):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call(DRIVER, bad)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is not a ResourceClaim reference" in (caught.value.details() or "")

@@ -15,6 +15,7 @@ claims for one driver), each field checked before anything is read from the API 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -47,19 +48,32 @@ SUPPORTED_SERVICES = (DRA_PLUGIN_V1, DRA_PLUGIN_V1BETA1, HEALTH_V1, HEALTH_V1ALP
 PLUGIN_TYPE = "DRAPlugin"
 
 MAX_CLAIMS_PER_CALL = 256  # a pod has at most 128 claims (the API's limit); with some room
-MAX_FIELD = 253  # namespace, name: DNS names; UID: 36 characters
+MAX_FIELD = 253  # a name: a DNS subdomain
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
 HEALTH_RESEND_SECONDS = 20.0
 HEALTH_TIMEOUT_SECONDS = 60  # what kxpu asks the kubelet to wait before showing Unknown
 
 
 def _refs(claims: Sequence[Any]) -> list[ClaimRef]:
+    """The claims of a request, each checked to be what the API allows: a namespace is a DNS label, a name a
+    DNS subdomain, a UID letters, digits and '-' (it becomes part of a file name: nothing else gets near a
+    path)."""
     if len(claims) > MAX_CLAIMS_PER_CALL:
         raise ValueError(f"{len(claims)} claims in one call; at most {MAX_CLAIMS_PER_CALL}")
     refs = []
     for n, claim in enumerate(claims):
-        fields = (claim.namespace, claim.uid, claim.name)
-        if not all(fields) or any(len(f) > MAX_FIELD for f in fields):
-            raise ValueError(f"claims[{n}] needs a namespace, uid and name of at most {MAX_FIELD} characters")
+        if not (
+            _NAMESPACE.match(claim.namespace)
+            and len(claim.name) <= MAX_FIELD
+            and _NAME.match(claim.name)
+            and _UID.match(claim.uid)
+        ):
+            raise ValueError(
+                f"claims[{n}] ({claim.namespace!r}/{claim.name!r}, UID {claim.uid!r}) is not a ResourceClaim "
+                "reference: a namespace, name and UID as the API server makes them"
+            )
         refs.append(ClaimRef(claim.namespace, claim.uid, claim.name))
     return refs
 
