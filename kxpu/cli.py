@@ -150,7 +150,14 @@ def plugin(
         return load_config(config_path, device_plugin_dir)
 
     async def serve() -> int:
-        return await Daemon(config, reload, _build, http_address or None).run()
+        daemon = Daemon(config, reload, _build, http_address or None)
+        code = await daemon.run()
+        if daemon.abandoned:
+            # asyncio's exit would wait for the tasks that ignored cancellation: leave now (their sockets
+            # were removed and the failure logged).
+            sys.stderr.flush()
+            os._exit(code)
+        return code
 
     sys.exit(asyncio.run(serve()))
 

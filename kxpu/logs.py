@@ -41,3 +41,21 @@ def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     """
     logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(component=name)
     return logger
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message`` of the failure that matters: the leaves of an exception group (a TaskGroup's
+    "unhandled errors in a TaskGroup (1 sub-exception)" says nothing), joined by ``; ``."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(error_text(inner) for inner in exc.exceptions)
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def log_failure(
+    logger: structlog.typing.FilteringBoundLogger, event: str, exc: BaseException, **fields: object
+) -> None:
+    """One error line naming what failed (``error=Type: message``); the traceback only at debug level,
+    for whoever is debugging: an operator's log is read line by line, and a traceback is a bug report."""
+    logger.error(event, error=error_text(exc), **fields)
+    logger.debug(f"{event}: traceback", exc_info=exc, **fields)
