@@ -194,27 +194,86 @@ def _error_lines(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]
     return lines
 
 
+# Enough to say what is wrong without burying it: a 10,000-entry list of bad values is one mistake.
+MAX_ERRORS_SHOWN = 10
+# A config file lists resources; megabytes of it are a mistake (or an attack on the node daemon).
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
 def _format_errors(exc: ValidationError) -> str:
-    return "; ".join(f"{where}: {msg}" if where else msg for where, msg in _error_lines(exc))
+    lines = [f"{where}: {msg}" if where else msg for where, msg in _error_lines(exc)]
+    if len(lines) > MAX_ERRORS_SHOWN:
+        lines = [*lines[:MAX_ERRORS_SHOWN], f"and {len(lines) - MAX_ERRORS_SHOWN} more errors"]
+    return "; ".join(lines)
+
+
+def _nul_location(data: Any, where: str = "") -> str | None:
+    """Where a string holds a NUL character: no path, env value or name can carry one to a container."""
+    if isinstance(data, str):
+        return (where or "(top level)") if "\x00" in data else None
+    if isinstance(data, dict):
+        for key, value in data.items():
+            here = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and "\x00" in key:
+                return here
+            found = _nul_location(value, here)
+            if found:
+                return found
+    if isinstance(data, list):
+        for n, value in enumerate(data):
+            found = _nul_location(value, f"{where}[{n}]")
+            if found:
+                return found
+    return None
 
 
 def parse_config(data: Any, source: str = "<config>") -> Config:
+    nul = _nul_location(data)
+    if nul is not None:
+        raise ConfigError(f"{source}: {nul}: contains a NUL character")
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{source}: {_format_errors(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a kxpu config") from None
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """One line that names the file, the line and the problem (PyYAML's own text names '<unicode string>'
+    and spans several lines with carets)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        context = (
+            f" ({exc.context} at line {exc.context_mark.line + 1})"
+            if exc.context and exc.context_mark
+            else ""
+        )
+        return f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {exc.problem}{context}"
+    return f"{path}: not valid YAML: {' '.join(str(exc).split())}"
 
 
 def load_config(path: Path, device_plugin_dir: Path | None = None) -> Config:
-    """Read and validate ``path``; a flag or env var value for the directory wins over the file."""
+    """Read and validate ``path``; a flag or env var value for the directory wins over the file.
+
+    Every way a file can be unusable ends in ConfigError with one line naming the file."""
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a kxpu config")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): not a kxpu config") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(_yaml_error(path, exc)) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a kxpu config") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a mapping with 'version' and 'resources'")
     config = parse_config(data, str(path))

@@ -4,6 +4,7 @@ device-plugin directory, long names. The daemon runs as a separate process again
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -258,3 +259,31 @@ async def test_a_device_the_kubelet_cannot_take_fails_the_resource_loudly(
     assert body["resources"]["example.com/many"] == "failed"
     assert "example.com/numa" not in kubelet.plugins and "example.com/many" not in kubelet.plugins
     assert_one_line_errors(daemon.log_text())
+
+
+async def test_sighup_with_an_unusable_file_keeps_the_running_config_in_one_line(
+    kubelet: KubeletStandIn, write_config: Callable[..., Path], daemons: Callable[..., Any]
+) -> None:
+    config = write_config([simulated()])
+    daemon: DaemonProcess = await daemons(config)
+    await kubelet.wait_registered(NPU)
+    unusable = [
+        b"\x7fELF\x02\x01\x01\x00\xff\xfe binary junk",  # UnicodeDecodeError
+        b"version: v1\nresources: " + b"[" * 1000 + b"]" * 1000 + b"\n",  # RecursionError
+        b"version: v1\nresources: [{name: example.com/npu, simulated: {count: 2, env: {A: '{count:d}'}}}]\n",
+    ]
+    for n, content in enumerate(unusable, start=1):
+        config.write_bytes(content)
+        daemon.send(signal.SIGHUP)
+        await wait_until(functools.partial(_refused_reloads, daemon, n), what=f"reload {n} refused")
+    # The last one is applied once it is fixed: later reloads are not stuck behind the bad ones.
+    write_config([simulated(count=2)])
+    daemon.send(signal.SIGHUP)
+    await kubelet.wait_devices(NPU, lambda d: len(d) == 2)
+    log = daemon.log_text()
+    assert "not UTF-8 text" in log and "nested too deeply" in log and "{count:d}" in log
+    assert_one_line_errors(log)
+
+
+def _refused_reloads(daemon: DaemonProcess, times: int) -> bool:
+    return daemon.log_text().count("reload failed; keeping the running config") == times

@@ -15,6 +15,7 @@ from kxpu.model.backend import (
 )
 from kxpu.model.device import (
     MAX_DEVICE_ID_LENGTH,
+    MAX_NUMA_NODE,
     Device,
     Health,
     InvalidDeviceError,
@@ -25,6 +26,7 @@ from kxpu.model.edits import ContainerEdits, DeviceNode, Mount
 
 __all__ = [
     "MAX_DEVICE_ID_LENGTH",
+    "MAX_NUMA_NODE",
     "AsyncAllocator",
     "Backend",
     "BackendError",
