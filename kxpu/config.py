@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 import kxpu.backends  # noqa: F401  (registers the built-in backends)
 from kxpu.backends.registry import BackendConfig, known_keys, lookup
 from kxpu.cdi.spec import validate_kind
+from kxpu.logs import one_line
 from kxpu.sharing.config import SharingConfig
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -160,7 +161,11 @@ class Config(_Model):
 
 
 class ConfigError(Exception):
-    """The config file cannot be used; the message names the file and every bad field."""
+    """The config file cannot be used; the message names the file and every bad field, on one line (what
+    the file holds, a key with a newline, is escaped)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 def _format_location(loc: tuple[int | str, ...]) -> str:
@@ -207,28 +212,44 @@ def _format_errors(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def _nul_location(data: Any, where: str = "") -> str | None:
-    """Where a string holds a NUL character: no path, env value or name can carry one to a container."""
-    if isinstance(data, str):
-        return (where or "(top level)") if "\x00" in data else None
-    if isinstance(data, dict):
-        for key, value in data.items():
-            here = f"{where}.{key}" if where else str(key)
+def _nul_location(data: Any) -> str | None:
+    """Where a string holds a NUL character: no path, env value or name can carry one to a container.
+
+    Raises ConfigError for a container that contains itself (a YAML alias such as ``&a [*a]``). Each
+    container is walked once, however many aliases share it (a "billion laughs" file shares a lot)."""
+    done: set[int] = set()
+    path: set[int] = set()  # the containers being walked: meeting one again is a cycle
+
+    def walk(value: Any, where: str) -> str | None:
+        if isinstance(value, str):
+            return (where or "(top level)") if "\x00" in value else None
+        if not isinstance(value, dict | list) or id(value) in done:
+            return None
+        if id(value) in path:
+            raise ConfigError(f"{where or '(top level)'}: a YAML alias that contains itself")
+        path.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            here = f"{where}[{key}]" if isinstance(value, list) else (f"{where}.{key}" if where else str(key))
             if isinstance(key, str) and "\x00" in key:
                 return here
-            found = _nul_location(value, here)
+            found = walk(item, here)
             if found:
                 return found
-    if isinstance(data, list):
-        for n, value in enumerate(data):
-            found = _nul_location(value, f"{where}[{n}]")
-            if found:
-                return found
-    return None
+        path.discard(id(value))
+        done.add(id(value))
+        return None
+
+    return walk(data, "")
 
 
 def parse_config(data: Any, source: str = "<config>") -> Config:
-    nul = _nul_location(data)
+    try:
+        nul = _nul_location(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a kxpu config") from None
     if nul is not None:
         raise ConfigError(f"{source}: {nul}: contains a NUL character")
     try:

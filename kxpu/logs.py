@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Literal
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 LogFormat = Literal["json", "text"]
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+# What could end or garble a line in a text log, besides the newline the logfmt renderer escapes itself: a
+# device ID from a request, a file's content. Escaped so that every event stays exactly one line.
+_LINE_BREAKERS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def _escape(value: str) -> str:
+    return _LINE_BREAKERS.sub(_escaped, value)
+
+
+def one_line(text: str) -> str:
+    """``text`` with every line break and control character escaped (``\\n``, ``\\x0d``, ``\\u2028``):
+    for messages that carry what a user wrote (a config key, a file's content) into one line."""
+    return _escape(text.replace("\n", "\\n"))
+
+
+def _one_line(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    for key, value in event_dict.items():
+        if isinstance(value, str) and _LINE_BREAKERS.search(value):
+            event_dict[key] = _escape(value)
+    return event_dict
 
 
 def configure_logging(level: str = "info", fmt: LogFormat = "text") -> None:
@@ -26,6 +55,7 @@ def configure_logging(level: str = "info", fmt: LogFormat = "text") -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            *([] if fmt == "json" else [_one_line]),  # JSON escapes control characters itself
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),

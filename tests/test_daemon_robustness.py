@@ -13,11 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.config import check_extended_resource_name
 from kxpu.daemon import check_socket_paths, socket_name
-from kxpu.daemon.resource import MAX_PLUGIN_DIR
+from kxpu.daemon.resource import MAX_PLUGIN_DIR, MAX_SOCKET_PATH
+from kxpu.daemon.wire import KUBELET_MAX_MESSAGE_BYTES, REGISTRATION_MAX_MESSAGE_BYTES
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.kubelet import sockets_in
 from kxpu.testing.process import DaemonProcess
@@ -287,3 +290,57 @@ async def test_sighup_with_an_unusable_file_keeps_the_running_config_in_one_line
 
 def _refused_reloads(daemon: DaemonProcess, times: int) -> bool:
     return daemon.log_text().count("reload failed; keeping the running config") == times
+
+
+async def test_an_allocate_answer_past_the_kubelets_limit_is_refused_with_the_reason(
+    kubelet: KubeletStandIn, write_config: Callable[..., Path], daemons: Callable[..., Any]
+) -> None:
+    bulky = {"name": "example.com/bulky", "listed": {"count": 2, "envBytes": KUBELET_MAX_MESSAGE_BYTES + 1}}
+    daemon: DaemonProcess = await daemons(write_config([bulky]), *IMPORT_TEST_BACKENDS, env=TEST_BACKENDS_ENV)
+    await kubelet.wait_registered("example.com/bulky")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kubelet.allocate("example.com/bulky", ["listed-0"])
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"the kubelet accepts at most {KUBELET_MAX_MESSAGE_BYTES}" in (err.value.details() or "")
+    await wait_until(lambda: "request refused" in daemon.log_text(), what="the refusal in the log")
+    assert_one_line_errors(daemon.log_text())
+
+
+async def test_a_registration_answer_past_its_limit_is_a_failed_registration(
+    write_config: Callable[..., Path], daemons: Callable[..., Any], plugin_dir: Path
+) -> None:
+    """A "kubelet" that answers Register with 100 KiB (an Empty carrying an unknown field): refused by the
+    registration channel's 64 KiB limit, retried, logged in one line."""
+
+    async def register(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        return b"\x7a\x80\x80\x06" + b"x" * (100 * 1024)  # field 15, length 102400
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "v1beta1.Registration", {"Register": grpc.unary_unary_rpc_method_handler(register)}
+            )
+        ]
+    )
+    server.add_insecure_port(f"unix://{plugin_dir / 'kubelet.sock'}")
+    await server.start()
+    try:
+        daemon: DaemonProcess = await daemons(write_config([simulated()]))
+        await wait_until(lambda: "registration failed; retrying" in daemon.log_text(), what="the failure")
+        line = next(ln for ln in daemon.log_text().splitlines() if "registration failed" in ln)
+        assert "RESOURCE_EXHAUSTED" in line and "registered with the kubelet" not in daemon.log_text()
+        assert_one_line_errors(daemon.log_text())
+    finally:
+        await server.stop(0)
+
+
+def test_the_largest_register_request_fits_its_limit() -> None:
+    longest = ("d" * 59 + ".") * 4 + "com1/" + "N" * 63
+    request = pb.RegisterRequest(
+        version="v1beta1",
+        endpoint="x" * MAX_SOCKET_PATH,
+        resource_name=longest,
+        options=pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True),
+    )
+    assert request.ByteSize() < REGISTRATION_MAX_MESSAGE_BYTES // 100
