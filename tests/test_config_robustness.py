@@ -215,3 +215,41 @@ def test_generic_skips_what_is_not_a_device_node(tmp_path: Path, capsys: pytest.
     err = captured.err + captured.out
     assert err.count("not a device node") == 2, err  # once per path, not per discovery
     assert "a regular file" in err and "a FIFO" in err
+
+
+def test_cdi_names_are_not_handed_out_while_the_spec_cannot_be_written(tmp_path: Path) -> None:
+    from kxpu.cdi import with_cdi
+    from kxpu.model import BackendError
+
+    spec_dir = tmp_path / "cdi"
+    spec_dir.write_text("a file where the spec directory goes")
+    inner = SimulatedBackend(SimulatedConfig(count=2, model="n", state_file=tmp_path / "s.json"))
+    backend = with_cdi(inner, "example.com/n", "example.com/n", spec_dir)
+    devices = backend.discover()  # discovery still works: the devices exist
+    with pytest.raises(BackendError, match=r"could not be written \(.*cdi: File exists\)"):
+        backend.allocate(devices[:1])
+    spec_dir.unlink()
+    (tmp_path / "s.json").write_text(json.dumps({"n-1": "Unhealthy"}))  # the next change writes it
+    devices = backend.discover()
+    assert backend.allocate(devices[:1]).cdi_devices == ["example.com/n=n-0"]
+    assert (spec_dir / "kxpu-example.com_n.json").exists() or list(spec_dir.glob("*.json"))
+
+
+def test_an_nfd_features_path_taken_by_a_directory_is_logged_and_close_completes(tmp_path: Path) -> None:
+    import asyncio
+
+    from tests.nvidia_support import make, next_list
+
+    path = tmp_path / "features.d" / "kxpu-gpu"
+    path.mkdir(parents=True)
+    (path / "someone's").write_text("kept")
+    backend, _ = make("a100-8x", labels={"featuresFile": str(path)})
+
+    async def serve_once() -> None:
+        updates = backend.watch()
+        assert len(await next_list(updates)) == 8  # the GPUs are served although labels cannot be written
+        await updates.aclose()
+
+    asyncio.run(serve_once())
+    backend.close()  # does not raise
+    assert (path / "someone's").read_text() == "kept"

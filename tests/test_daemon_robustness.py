@@ -344,3 +344,23 @@ def test_the_largest_register_request_fits_its_limit() -> None:
         options=pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True),
     )
     assert request.ByteSize() < REGISTRATION_MAX_MESSAGE_BYTES // 100
+
+
+async def test_a_file_where_the_device_plugin_directory_goes_is_named_then_served(
+    write_config: Callable[..., Path], daemons: Callable[..., Any], workdir: Path
+) -> None:
+    plugin_dir = workdir / "plugins"
+    plugin_dir.write_text("not a directory")
+    daemon: DaemonProcess = await daemons(write_config([simulated()], devicePluginDir=str(plugin_dir)))
+    await wait_until(
+        lambda: "cannot create the device-plugin directory" in daemon.log_text(), what="the error", timeout=10
+    )
+    assert (await _readyz(daemon))[0] == 503
+    plugin_dir.unlink()
+    kubelet = KubeletStandIn(plugin_dir)  # makes the directory and serves kubelet.sock in it
+    await kubelet.start()
+    try:
+        await kubelet.wait_registered(NPU, timeout=5)
+    finally:
+        await kubelet.stop()
+    assert_one_line_errors(daemon.log_text())
