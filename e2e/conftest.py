@@ -16,7 +16,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,20 +88,40 @@ def kxpu_binary() -> Path:
 class Kxpu:
     """One ``kxpu plugin`` process on the host, with its config and log file."""
 
-    def __init__(self, binary: Path, config: Path, log: Path, resources: list[str]) -> None:
+    def __init__(
+        self,
+        binary: Path,
+        config: Path,
+        log: Path,
+        resources: list[str],
+        imports: Sequence[str] = (),
+    ) -> None:
         self.binary, self.config, self.log, self.resources = binary, config, log, resources
+        self.imports = list(imports)  # backend modules of this repository (tests.flaky_backend)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        args = [str(self.binary), "plugin", "--config", str(self.config), "--log-level", "debug"]
+        env = None
+        for module in self.imports:
+            args += ["--import", module]
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            }
         with self.log.open("ab") as out:
             out.write(f"--- start {time.strftime('%H:%M:%S')}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
-                [str(self.binary), "plugin", "--config", str(self.config), "--log-level", "debug"],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
             )
+
+    def send(self, sig: signal.Signals) -> None:
+        assert self.proc is not None, "not started"
+        self.proc.send_signal(sig)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 20) -> int | None:
         """Signal the daemon and wait for it to exit; escalate to SIGKILL after ``timeout``."""
@@ -132,13 +152,13 @@ class E2E:
         self.pods: list[kube.PodSpec] = []
         self.logs: dict[str, Path] = {}  # more logs for a failed test's report (e.g. control-plane processes)
 
-    def kxpu(self, resources: list[dict[str, Any]], start: bool = True) -> Kxpu:
-        """Write a kxpu config (JSON is YAML) and start a daemon for it."""
+    def kxpu(self, resources: list[dict[str, Any]], start: bool = True, imports: Sequence[str] = ()) -> Kxpu:
+        """Write a kxpu config (JSON is YAML) and start a daemon for it; ``imports``: backend modules."""
         n = len(self.daemons)
         config = self.tmp / f"kxpu-{n}.yaml"
         config.write_text(json.dumps({"version": "v1", "resources": resources}, indent=2) + "\n")
         names = [str(r["name"]) for r in resources]
-        daemon = Kxpu(kxpu_binary(), config, self.tmp / f"kxpu-{n}.log", names)
+        daemon = Kxpu(kxpu_binary(), config, self.tmp / f"kxpu-{n}.log", names, imports)
         self.daemons.append(daemon)
         if start:
             daemon.start()

@@ -199,7 +199,7 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
                 if isinstance(backend, Closable):
                     backend.close()
         except Exception as exc:
-            errors[resource.name] = f"{type(exc).__name__}: {exc}"
+            errors[resource.name] = error_text(exc)
     if output == "json":
         doc: dict[str, Any] = {
             name: {"backend": r.backend, "devices": [device_to_json(d) for d in found.get(name, [])]}
