@@ -153,9 +153,9 @@ def plugin(
     async def serve() -> int:
         daemon = Daemon(config, reload, _build, http_address or None)
         code = await daemon.run()
-        if daemon.abandoned:
-            # asyncio's exit would wait for the tasks that ignored cancellation: leave now (their sockets
-            # were removed and the failure logged).
+        if daemon.abandoned or daemon.stuck_calls:
+            # asyncio's exit would wait for the tasks that ignored cancellation and join the threads of
+            # calls that never return: leave now (every socket is removed and the failure logged).
             sys.stderr.flush()
             os._exit(code)
         return code

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -135,3 +136,22 @@ class ListedBackend(Backend):
         return ContainerEdits(
             env={"LISTED": ",".join(d.id for d in devices), "BULK": "x" * self.config.env_bytes}
         )
+
+
+class HangingConfig(BackendConfig):
+    seconds: float = 60.0
+
+
+@register_backend("hanging", HangingConfig)
+class HangingBackend(Backend):
+    """Discovery that does not return (a vendor library stuck on a device that fell off the bus)."""
+
+    def __init__(self, config: HangingConfig) -> None:
+        self.config = config
+
+    def discover(self) -> list[Device]:
+        time.sleep(self.config.seconds)
+        return []
+
+    def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
+        return ContainerEdits()

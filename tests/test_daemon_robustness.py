@@ -364,3 +364,18 @@ async def test_a_file_where_the_device_plugin_directory_goes_is_named_then_serve
     finally:
         await kubelet.stop()
     assert_one_line_errors(daemon.log_text())
+
+
+async def test_sigterm_does_not_wait_for_a_backend_call_that_never_returns(
+    kubelet: KubeletStandIn, write_config: Callable[..., Path], daemons: Callable[..., Any]
+) -> None:
+    config = write_config([simulated(), {"name": "example.com/hung", "hanging": {"seconds": 120}}])
+    daemon: DaemonProcess = await daemons(config, *IMPORT_TEST_BACKENDS, env=TEST_BACKENDS_ENV)
+    await kubelet.wait_registered(NPU)
+    status, body = await _readyz(daemon)
+    assert status == 503 and body["resources"]["example.com/hung"] == "starting"
+    daemon.send(signal.SIGTERM)
+    assert await daemon.wait(10) == 1, "a hung discovery held the process"
+    assert sockets_in(kubelet.plugin_dir) == ["kubelet.sock"]
+    assert "a backend call did not return" in daemon.log_text()
+    assert_one_line_errors(daemon.log_text())

@@ -7,10 +7,12 @@ import contextlib
 import os
 import signal
 import stat
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
@@ -23,12 +25,56 @@ from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger, log_failure
 
 log = get_logger("kxpu.daemon")
+_T = TypeVar("_T")
 
 RESYNC_SECONDS = 30.0
+# How long a stop waits, after every resource has stopped, for backend calls still running in worker
+# threads (discovery, pre-start, close) before the process exits without them.
+WORKER_GRACE_SECONDS = 2.0
 # How long a stop (SIGTERM, a reload removing a resource) waits for a resource to finish. A resource
 # stops in well under a second (its server's grace is 0.5 s); one that does not (a backend that ignores
 # cancellation) is abandoned with an error rather than holding up a rolling update or every later reload.
 STOP_SECONDS = 5.0
+
+
+class _TrackingExecutor(ThreadPoolExecutor):
+    """The loop's default executor (``asyncio.to_thread``), knowing when no call is in flight: a vendor call
+    that never returns (NVML on a GPU that fell off the bus) must not hold the process at exit, where
+    asyncio would join its thread forever."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(thread_name_prefix="kxpu-worker")
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._loop = loop
+        self._count = threading.Lock()
+
+    def _changed(self, delta: int) -> None:
+        with self._count:
+            self.in_flight += delta
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+            self._loop.call_soon_threadsafe(self._update_idle)
+
+    def _update_idle(self) -> None:
+        if self.in_flight:
+            self.idle.clear()
+        else:
+            self.idle.set()
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        def counted() -> _T:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._changed(-1)
+
+        self._changed(+1)  # counted from submission: a queued call is in flight too
+        try:
+            return super().submit(counted)
+        except BaseException:
+            self._changed(-1)
+            raise
 
 
 @dataclass
@@ -56,6 +102,7 @@ class Daemon:
         self._reload_lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
         self.abandoned: list[str] = []  # resources that did not stop within STOP_SECONDS
+        self.stuck_calls = 0  # backend calls still running in worker threads when the daemon stopped
 
     @property
     def runners(self) -> list[ResourceRunner]:
@@ -64,6 +111,8 @@ class Daemon:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(_log_loop_error)
+        workers = _TrackingExecutor(loop)
+        loop.set_default_executor(workers)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
@@ -96,8 +145,18 @@ class Daemon:
                 http.stop()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(workers.idle.wait(), WORKER_GRACE_SECONDS)
+        self.stuck_calls = workers.in_flight
+        if self.stuck_calls:
+            log.error(
+                "a backend call did not return (discovery, pre-start or close); exiting without waiting for it",
+                calls=self.stuck_calls,
+                waited_s=WORKER_GRACE_SECONDS,
+            )
         if self.abandoned:
             log.error("stopped, abandoning resources that did not stop in time", resources=self.abandoned)
+        if self.abandoned or self.stuck_calls:
             return 1
         log.info("stopped")
         return 0
