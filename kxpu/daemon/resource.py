@@ -65,7 +65,7 @@ def socket_name(resource: str, plugin_dir: Path | None = None) -> str:
     """``example.com/npu`` → ``kxpu-example.com_npu.sock``: one socket per resource, and one resource
     per socket, since a domain cannot contain ``_`` (``a.com/b-c`` and ``a.com-b/c`` stay apart).
 
-    A name whose path in ``plugin_dir`` would pass the unix limit (a valid resource name can be 317
+    A name whose path in ``plugin_dir`` would pass the unix limit (a valid resource name can be 308
     characters) gets ``kxpu-<name part, shortened>-<16 hex of its SHA-256>.sock`` instead: the kubelet only
     needs the endpoint it is told at registration. Such names contain no ``_``, so they never meet a
     readable one, and the hash keeps two long names apart.
