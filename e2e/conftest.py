@@ -16,7 +16,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,23 +96,41 @@ class Kxpu:
     """One ``kxpu plugin`` process on the host, with its config and log file."""
 
     def __init__(
-        self, binary: Path, config: Path, log: Path, resources: list[str], env: dict[str, str] | None = None
+        self,
+        binary: Path,
+        config: Path,
+        log: Path,
+        resources: list[str],
+        imports: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.binary, self.config, self.log, self.resources = binary, config, log, resources
-        self.env = env
+        self.imports = list(imports)  # backend modules of this repository (tests.flaky_backend)
+        self.env = env  # more environment (NODE_NAME and KUBECONFIG for DRA, fakes' settings)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        args = [str(self.binary), "plugin", "--config", str(self.config), "--log-level", "debug"]
+        env = None if self.env is None else {**os.environ, **self.env}
+        for module in self.imports:
+            args += ["--import", module]
+            env = {
+                **(env or os.environ),
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            }
         with self.log.open("ab") as out:
             out.write(f"--- start {time.strftime('%H:%M:%S')}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
-                [str(self.binary), "plugin", "--config", str(self.config), "--log-level", "debug"],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=None if self.env is None else {**os.environ, **self.env},
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
             )
+
+    def send(self, sig: signal.Signals) -> None:
+        assert self.proc is not None, "not started"
+        self.proc.send_signal(sig)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 20) -> int | None:
         """Signal the daemon and wait for it to exit; escalate to SIGKILL after ``timeout``."""
@@ -149,6 +167,7 @@ class E2E:
         resources: list[dict[str, Any]],
         start: bool = True,
         env: dict[str, str] | None = None,
+        imports: Sequence[str] = (),
         **top: Any,
     ) -> Kxpu:
         """Write a kxpu config (JSON is YAML; ``top``: more top-level keys) and start a daemon for it. A
@@ -160,7 +179,7 @@ class E2E:
         names = [str(r["name"]) for r in resources if r.get("serve") != "dra"]
         if any(r.get("serve") == "dra" for r in resources):
             env = {"NODE_NAME": NODE_NAME, "KUBECONFIG": str(self.cluster.kubeconfig), **(env or {})}
-        daemon = Kxpu(kxpu_binary(), config, self.tmp / f"kxpu-{n}.log", names, env)
+        daemon = Kxpu(kxpu_binary(), config, self.tmp / f"kxpu-{n}.log", names, imports, env)
         self.daemons.append(daemon)
         if start:
             daemon.start()

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,12 +46,38 @@ def wait_until(what: str, probe: Callable[[], T | None], timeout: float = 60, in
 
 
 # -- node -----------------------------------------------------------------------------------------------------
+_QUANTITY = re.compile(
+    r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
+)
+_SUFFIXES = {
+    **{s: Decimal(1024) ** (n + 1) for n, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: Decimal(10) ** e for s, e in (("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6), ("G", 9))},
+    **{s: Decimal(10) ** e for s, e in (("T", 12), ("P", 15), ("E", 18))},
+}
+
+
+def parse_quantity(text: str) -> int:
+    """A whole-number resource.Quantity as the API server writes it (``4``, ``1k``, ``2Ki``, ``1e3``): the
+    node reports 1,000 devices as ``1k``."""
+    match = _QUANTITY.match(text.strip())
+    if not match:
+        raise ValueError(f"not a Kubernetes quantity: {text!r}")
+    number, suffix = Decimal(match.group(1)), match.group(2) or ""
+    if suffix[:1] in ("e", "E"):
+        value = number * Decimal(10) ** int(suffix[1:])
+    else:
+        value = number * _SUFFIXES.get(suffix, Decimal(1))
+    if value != value.to_integral_value():
+        raise ValueError(f"{text!r} is not a whole number of devices")
+    return int(value)
+
+
 def node_resource(cluster: Cluster, resource: str) -> tuple[int, int]:
     """(capacity, allocatable) of an extended resource on the node; 0 when not reported."""
     status = cluster.kubectl_json("get", "node", NODE_NAME)["status"]
-    return int(status.get("capacity", {}).get(resource, 0)), int(
-        status.get("allocatable", {}).get(resource, 0)
-    )
+    capacity = status.get("capacity", {}).get(resource, "0")
+    allocatable = status.get("allocatable", {}).get(resource, "0")
+    return parse_quantity(capacity), parse_quantity(allocatable)
 
 
 def wait_resource(

@@ -13,7 +13,7 @@ import click
 
 from kxpu.backends.registry import build_backend, import_backend_module
 from kxpu.config import Config, ConfigError, ResourceConfig, load_config
-from kxpu.logs import LOG_LEVELS, configure_logging, get_logger
+from kxpu.logs import LOG_LEVELS, configure_logging, error_text, get_logger
 from kxpu.model import Backend, Closable, Device, NodeLabeller
 from kxpu.status import DEFAULT_POD_RESOURCES_SOCKET
 
@@ -53,16 +53,21 @@ def _build(resource: ResourceConfig) -> Backend:
 
 
 def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str, ...]) -> Config:
+    """The config, or exit 2 with one line: every fault knowable before serving is refused here."""
+    from kxpu.daemon import check_socket_paths
+
     for module in imports:
         try:
             import_backend_module(module)
-        except ImportError as exc:
-            _fail(f"--import {module}: {exc}")
+        except Exception as exc:  # ImportError, or whatever the module raises as it is imported
+            _fail(f"--import {module}: {error_text(exc)}")
     try:
-        return load_config(config_path, device_plugin_dir)
-    except ConfigError as exc:
+        config = load_config(config_path, device_plugin_dir)
+        check_socket_paths(config.device_plugin_dir, [r.name for r in config.resources])
+    except (ConfigError, ValueError) as exc:
         _fail(str(exc))
         raise  # unreachable; keeps type checkers honest
+    return config
 
 
 config_option = click.option(
@@ -131,15 +136,11 @@ def plugin(
     log_format: str,
 ) -> None:
     """Serve the configured resources to the kubelet (the node daemon)."""
-    from kxpu.daemon import Daemon, check_socket_paths
+    from kxpu.daemon import Daemon
     from kxpu.daemon.http import parse_address
 
     configure_logging(log_level, "json" if log_format == "json" else "text")
     config = _load(config_path, device_plugin_dir, imports)
-    try:
-        check_socket_paths(config.device_plugin_dir, [r.name for r in config.resources])
-    except ValueError as exc:
-        _fail(str(exc))
     if http_address:
         try:
             parse_address(http_address)
@@ -165,7 +166,13 @@ def plugin(
             dra=lambda *args: _dra(daemon, *args),
             on_grant_exceeded=events,
         )
-        return await daemon.run()
+        code = await daemon.run()
+        if daemon.abandoned or daemon.stuck_calls:
+            # asyncio's exit would wait for the tasks that ignored cancellation and join the threads of
+            # calls that never return: leave now (every socket is removed and the failure logged).
+            sys.stderr.flush()
+            os._exit(code)
+        return code
 
     sys.exit(asyncio.run(serve()))
 
@@ -259,7 +266,7 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
                 if isinstance(backend, Closable):
                     backend.close()
         except Exception as exc:
-            errors[resource.name] = f"{type(exc).__name__}: {exc}"
+            errors[resource.name] = error_text(exc)
     if output == "json":
         doc: dict[str, Any] = {
             name: {"backend": r.backend, "devices": [device_to_json(d) for d in found.get(name, [])]}

@@ -20,6 +20,7 @@ from kxpu.backends.registry import BackendConfig, known_keys, lookup
 from kxpu.cdi.spec import validate_kind
 from kxpu.dra.config import DEFAULT_KUBELET_PLUGINS_DIR, DEFAULT_PLUGINS_REGISTRY_DIR, DraConfig
 from kxpu.dra.names import default_driver_name
+from kxpu.logs import one_line
 from kxpu.sharing.config import SharingConfig
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -250,7 +251,11 @@ class Config(_Model):
 
 
 class ConfigError(Exception):
-    """The config file cannot be used; the message names the file and every bad field."""
+    """The config file cannot be used; the message names the file and every bad field, on one line (what
+    the file holds, a key with a newline, is escaped)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 def _format_location(loc: tuple[int | str, ...]) -> str:
@@ -284,27 +289,102 @@ def _error_lines(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]
     return lines
 
 
+# Enough to say what is wrong without burying it: a 10,000-entry list of bad values is one mistake.
+MAX_ERRORS_SHOWN = 10
+# A config file lists resources; megabytes of it are a mistake (or an attack on the node daemon).
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
 def _format_errors(exc: ValidationError) -> str:
-    return "; ".join(f"{where}: {msg}" if where else msg for where, msg in _error_lines(exc))
+    lines = [f"{where}: {msg}" if where else msg for where, msg in _error_lines(exc)]
+    if len(lines) > MAX_ERRORS_SHOWN:
+        lines = [*lines[:MAX_ERRORS_SHOWN], f"and {len(lines) - MAX_ERRORS_SHOWN} more errors"]
+    return "; ".join(lines)
+
+
+def _nul_location(data: Any) -> str | None:
+    """Where a string holds a NUL character: no path, env value or name can carry one to a container.
+
+    Raises ConfigError for a container that contains itself (a YAML alias such as ``&a [*a]``). Each
+    container is walked once, however many aliases share it (a "billion laughs" file shares a lot)."""
+    done: set[int] = set()
+    path: set[int] = set()  # the containers being walked: meeting one again is a cycle
+
+    def walk(value: Any, where: str) -> str | None:
+        if isinstance(value, str):
+            return (where or "(top level)") if "\x00" in value else None
+        if not isinstance(value, dict | list) or id(value) in done:
+            return None
+        if id(value) in path:
+            raise ConfigError(f"{where or '(top level)'}: a YAML alias that contains itself")
+        path.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            here = f"{where}[{key}]" if isinstance(value, list) else (f"{where}.{key}" if where else str(key))
+            if isinstance(key, str) and "\x00" in key:
+                return here
+            found = walk(item, here)
+            if found:
+                return found
+        path.discard(id(value))
+        done.add(id(value))
+        return None
+
+    return walk(data, "")
 
 
 def parse_config(data: Any, source: str = "<config>") -> Config:
     try:
+        nul = _nul_location(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a kxpu config") from None
+    if nul is not None:
+        raise ConfigError(f"{source}: {nul}: contains a NUL character")
+    try:
         return Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{source}: {_format_errors(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a kxpu config") from None
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """One line that names the file, the line and the problem (PyYAML's own text names '<unicode string>'
+    and spans several lines with carets)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        context = (
+            f" ({exc.context} at line {exc.context_mark.line + 1})"
+            if exc.context and exc.context_mark
+            else ""
+        )
+        return f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {exc.problem}{context}"
+    return f"{path}: not valid YAML: {' '.join(str(exc).split())}"
 
 
 def load_config(path: Path, device_plugin_dir: Path | None = None) -> Config:
-    """Read and validate ``path``; a flag or env var value for the directory wins over the file."""
+    """Read and validate ``path``; a flag or env var value for the directory wins over the file.
+
+    Every way a file can be unusable ends in ConfigError with one line naming the file."""
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a kxpu config")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): not a kxpu config") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(_yaml_error(path, exc)) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a kxpu config") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a mapping with 'version' and 'resources'")
     config = parse_config(data, str(path))

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -9,11 +10,31 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, settings
 
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.process import DaemonProcess
 
 TESTS = Path(__file__).parent
+
+# Hypothesis profiles. "ci" (the default, what `make test` runs) bounds every fuzz and property test
+# that does not set its own example count, so that the fuzzing stays within about a minute on a 2-core
+# machine; "thorough" is for hunting: HYPOTHESIS_PROFILE=thorough .venv/bin/pytest tests/test_fuzz_*.py
+settings.register_profile(
+    "ci",
+    max_examples=100,  # hypothesis's own default: the property tests keep their strength
+    deadline=None,  # a loaded CI machine is slow now and then; time is bounded by the example count
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    print_blob=True,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=2000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

@@ -168,7 +168,7 @@ def test_cli_refuses_socket_paths_longer_than_unix_allows(tmp_path: Path) -> Non
     )
     result = run_cli("plugin", "--config", str(path))
     assert result.returncode == 2
-    assert "unix sockets allow 107" in result.stderr
+    assert "unix socket paths are limited to 107 bytes" in result.stderr
 
 
 def test_cdi_kinds_must_be_unique() -> None:

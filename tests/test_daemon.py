@@ -32,7 +32,7 @@ async def test_registers_every_resource_with_options_and_topology(
     kubelet: KubeletStandIn, write_config: Callable[..., Path], daemons: Callable[..., Any], workdir: Path
 ) -> None:
     (workdir / "dev").mkdir()
-    (workdir / "dev" / "fpga0").touch()
+    os.mknod(workdir / "dev" / "fpga0", 0o666 | 0o020000, os.makedev(1, 3))
     config = write_config(
         [
             simulated(numaNodes=[0, 0, 1, 1]),

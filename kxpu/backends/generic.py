@@ -1,7 +1,9 @@
 """Any device exposed as /dev nodes (FPGAs, NPUs, …): each glob match is a device, or ``count`` shares of one.
 
-Nodes that appear or disappear are picked up through inotify on their directories and
-reported at once. NUMA affinity comes from sysfs when the node is a real char/block device.
+Only character and block devices are devices: a container runtime refuses anything else as a device
+("not a device node"), so a regular file, FIFO, socket or directory that matches a glob is skipped, with
+one warning per path. Nodes that appear or disappear are picked up through inotify on their directories
+and reported at once. NUMA affinity comes from sysfs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 from kxpu.model import (
     MAX_DEVICE_ID_LENGTH,
+    MAX_NUMA_NODE,
     Backend,
     ContainerEdits,
     Device,
@@ -79,20 +82,34 @@ def device_name(path: str) -> str:
     return _UNSAFE_ID_CHARS.sub("_", rel).lstrip("_.-") or "dev"
 
 
-def _numa_of(path: str) -> tuple[int, ...]:
+def _device_kind(path: str) -> tuple[str, os.stat_result] | str:
+    """``("char" | "block", stat)`` for a device node, else what the path is (for the warning)."""
     try:
-        st = os.stat(path)
-    except OSError:
-        return ()
-    kind = "char" if stat.S_ISCHR(st.st_mode) else "block" if stat.S_ISBLK(st.st_mode) else None
-    if kind is None:
-        return ()
+        st = os.stat(path)  # follows symlinks: /dev/disk/by-id style links to devices are fine
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if stat.S_ISCHR(st.st_mode):
+        return ("char", st)
+    if stat.S_ISBLK(st.st_mode):
+        return ("block", st)
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if stat.S_ISREG(st.st_mode):
+        return "a regular file"
+    if stat.S_ISFIFO(st.st_mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(st.st_mode):
+        return "a socket"
+    return "not a device node"
+
+
+def _numa_of(kind: str, st: os.stat_result) -> tuple[int, ...]:
     sysfs = Path(f"/sys/dev/{kind}/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/device/numa_node")
     try:
         node = int(sysfs.read_text().strip())
     except (OSError, ValueError):
         return ()
-    return (node,) if node >= 0 else ()
+    return (node,) if 0 <= node <= MAX_NUMA_NODE else ()
 
 
 @register_backend("generic", GenericConfig)
@@ -101,16 +118,24 @@ class GenericBackend(Backend):
         self.config = config
         # Device ID → (group, host path); rebuilt by every discovery.
         self._where: dict[str, tuple[DeviceGroup, str]] = {}
+        self._skipped: set[str] = set()  # matches that are not device nodes, warned about once
 
     def discover(self) -> list[Device]:
         devices: list[Device] = []
         where: dict[str, tuple[DeviceGroup, str]] = {}
+        skipped: set[str] = set()
         for group in self.config.groups:
             for path in sorted({m for pattern in group.paths for m in glob.glob(pattern)}):
-                if os.path.isdir(path):
+                kind = _device_kind(path)
+                if isinstance(kind, str):
+                    skipped.add(path)
+                    if path not in self._skipped and kind != "a directory":
+                        log.warning(
+                            "matches a device glob but is not a device node; skipped", path=path, found=kind
+                        )
                     continue
                 name = device_name(path)
-                numa = _numa_of(path)
+                numa = _numa_of(*kind)
                 ids = (
                     [name]
                     if group.count == 1
@@ -131,6 +156,7 @@ class GenericBackend(Backend):
                     where[device_id] = (group, path)
                     devices.append(Device(id=device_id, numa_nodes=numa, extra={"path": path}))
         self._where = where
+        self._skipped = skipped
         return devices
 
     def _watched_dirs(self) -> list[Path]:

@@ -17,7 +17,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+from kxpu.logs import error_text, get_logger
 from kxpu.model import Backend
+
+log = get_logger("kxpu.backends.registry")
 
 ENTRY_POINT_GROUP = "kxpu.backends"
 
@@ -73,7 +76,14 @@ def _load_entry_points() -> None:
         return
     _entry_points_loaded = True
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()  # importing the module registers its backends
+        try:
+            ep.load()  # importing the module registers its backends
+        except Exception as exc:  # one broken package must not take every resource down with a traceback
+            log.error(
+                "cannot load a backend package; its backends are unavailable",
+                entry_point=f"{ep.name} = {ep.value}",
+                error=error_text(exc),
+            )
 
 
 def import_backend_module(module: str) -> None:

@@ -28,6 +28,8 @@ from kxpu.backends.templates import EnvTemplates, render_env
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
 from kxpu.model import (
+    MAX_DEVICE_ID_LENGTH,
+    MAX_NUMA_NODE,
     Backend,
     BackendError,
     ContainerEdits,
@@ -46,6 +48,8 @@ log = get_logger("kxpu.backends.simulated")
 _UUID_NAMESPACE = uuid.UUID("6f1c3a52-8f53-4d1e-9a43-2f7c5b0e9d10")
 _STATES = {"Healthy", "Unhealthy", "Absent"}
 _MIB = 1024 * 1024
+# A state file lists at most a few thousand devices; anything much bigger is not one.
+MAX_STATE_FILE_BYTES = 1024 * 1024
 
 
 class SimulatedDevice(BackendConfig):
@@ -84,11 +88,27 @@ class SimulatedConfig(BackendConfig):
     def _numa_per_device(self) -> SimulatedConfig:
         if self.numa_nodes is not None and len(self.numa_nodes) != self.count:
             raise ValueError(f"numaNodes has {len(self.numa_nodes)} entries for {self.count} devices")
-        if self.numa_nodes is not None and any(n < 0 for n in self.numa_nodes):
-            raise ValueError("numaNodes entries must be >= 0")
+        bad = [n for n in self.numa_nodes or () if not 0 <= n <= MAX_NUMA_NODE]
+        if bad:
+            raise ValueError(
+                f"numaNodes entries must be between 0 and {MAX_NUMA_NODE} (the kubelet's topology manager "
+                f"supports 64 NUMA nodes); found {bad[0]}"
+            )
         outside = sorted(i for i in self.devices if not 0 <= i < self.count)
         if outside:
             raise ValueError(f"devices: indexes {outside} are outside 0..{self.count - 1}")
+        return self
+
+    @model_validator(mode="after")
+    def _last_id_fits(self) -> SimulatedConfig:
+        last = f"{self.model}-{self.count - 1}"
+        try:
+            check_device_id(last)
+        except ValueError:
+            raise ValueError(
+                f"model {self.model!r} with count {self.count} makes device IDs up to {last!r} "
+                f"({len(last)} characters); the kubelet takes at most {MAX_DEVICE_ID_LENGTH}: shorten the model"
+            ) from None
         return self
 
 
@@ -135,12 +155,19 @@ class SimulatedBackend(Backend):
         if path is None:
             return
         try:
-            raw = json.loads(path.read_text() or "{}")
+            with path.open("rb") as f:
+                data = f.read(MAX_STATE_FILE_BYTES + 1)
+            if len(data) > MAX_STATE_FILE_BYTES:
+                raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
+            raw = json.loads(data or b"{}")
         except FileNotFoundError:
             self._states = {}
             return
-        except (OSError, ValueError) as exc:
-            log.warning("state file unreadable, keeping the last good state", path=str(path), error=str(exc))
+        except (OSError, ValueError, RecursionError) as exc:  # a directory, not UTF-8, not JSON, nested deep
+            error = (
+                exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+            )
+            log.warning("state file unreadable, keeping the last good state", path=str(path), error=error)
             return
         if not isinstance(raw, dict):
             log.warning("state file must hold a JSON object, keeping the last good state", path=str(path))
@@ -150,7 +177,7 @@ class SimulatedBackend(Backend):
         for device_id, state in raw.items():
             if device_id not in known:
                 log.warning("state file names an unknown device", path=str(path), device=device_id)
-            elif state not in _STATES:
+            elif not isinstance(state, str) or state not in _STATES:
                 log.warning(
                     "state file has an unknown state", path=str(path), device=device_id, state=str(state)
                 )

@@ -15,7 +15,6 @@ that the spec provides for the allocated devices are not repeated in the respons
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
@@ -59,6 +58,9 @@ class CdiBackend(Backend):
         self.annotations = annotations
         self.spec_path: Path | None = None
         self._written: dict[str, object] | None = None
+        # Why the spec for the current devices is not on disk (unwritable directory, invalid content):
+        # Allocate refuses then, rather than hand out names the runtime cannot resolve.
+        self._unwritten: str | None = None
         self._per_device: dict[str, ContainerEdits] = {}
         self.log = log.bind(resource=resource, kind=kind)
 
@@ -104,27 +106,41 @@ class CdiBackend(Backend):
         entries = self._edits_for_spec(devices)
         if not entries:
             self._remove_spec()
+            self._unwritten = None
             return
         spec = build_spec(self.kind, entries)
         if spec == self._written:
             return
         errors = validate_spec(spec)
         if errors:
+            self._unwritten = f"it would be invalid: {'; '.join(errors)}"
             self.log.error("CDI spec would be invalid; not written", errors=errors)
             return
         try:
             self.spec_path = write_spec(self.spec_dir, spec)
         except OSError as exc:
-            self.log.error("cannot write the CDI spec", dir=str(self.spec_dir), error=str(exc))
+            self._unwritten = f"{self.spec_dir}: {exc.strerror or exc}"
+            self.log.error(
+                "cannot write the CDI spec; Allocate is refused until it is written (at the next change)",
+                dir=str(self.spec_dir),
+                error=exc.strerror or str(exc),
+            )
             return
         self._written = spec
+        self._unwritten = None
         self.log.info("CDI spec written", path=str(self.spec_path), devices=len(entries))
 
     def _remove_spec(self) -> None:
         if self.spec_path is not None:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 self.spec_path.unlink()
                 self.log.info("CDI spec removed", path=str(self.spec_path))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self.log.error(
+                    "cannot remove the CDI spec", path=str(self.spec_path), error=exc.strerror or str(exc)
+                )
         self._written = None
 
     # ------------------------------------------------------------------ the Backend contract
@@ -146,6 +162,11 @@ class CdiBackend(Backend):
 
     def _named(self, devices: Sequence[Device], edits: ContainerEdits) -> ContainerEdits:
         """The inner backend's edits for ``devices``, less what the spec injects, plus the CDI names."""
+        if self._unwritten is not None:
+            raise BackendError(
+                f"the CDI spec for {self.kind} could not be written ({self._unwritten}); the runtime could not "
+                "resolve its device names"
+            )
         missing = [d.id for d in devices if d.id not in self._per_device]
         if missing:
             raise BackendError(f"not in the CDI spec {self.spec_path}: {', '.join(missing)}")

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import stat
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
@@ -17,14 +22,62 @@ from kxpu.daemon.registration import file_identity
 from kxpu.daemon.resource import BackendFactory, DraFactory, Phase, ResourceRunner, check_socket_paths
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.fswatch import directory_changes
-from kxpu.logs import get_logger
+from kxpu.logs import error_text, get_logger, log_failure
 
 if TYPE_CHECKING:
     from kxpu.daemon.telemetry import ExceededHandler, SourceView, TelemetrySampler
 
 log = get_logger("kxpu.daemon")
+_T = TypeVar("_T")
 
 RESYNC_SECONDS = 30.0
+# How long a stop waits, after every resource has stopped, for backend calls still running in worker
+# threads (discovery, pre-start, close) before the process exits without them.
+WORKER_GRACE_SECONDS = 2.0
+# How long a stop (SIGTERM, a reload removing a resource) waits for a resource to finish. A resource
+# stops in well under a second (its server's grace is 0.5 s); one that does not (a backend that ignores
+# cancellation) is abandoned with an error rather than holding up a rolling update or every later reload.
+STOP_SECONDS = 5.0
+
+
+class _TrackingExecutor(ThreadPoolExecutor):
+    """The loop's default executor (``asyncio.to_thread``), knowing when no call is in flight: a vendor call
+    that never returns (NVML on a GPU that fell off the bus) must not hold the process at exit, where
+    asyncio would join its thread forever."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(thread_name_prefix="kxpu-worker")
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._loop = loop
+        self._count = threading.Lock()
+
+    def _changed(self, delta: int) -> None:
+        with self._count:
+            self.in_flight += delta
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+            self._loop.call_soon_threadsafe(self._update_idle)
+
+    def _update_idle(self) -> None:
+        if self.in_flight:
+            self.idle.clear()
+        else:
+            self.idle.set()
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        def counted() -> _T:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._changed(-1)
+
+        self._changed(+1)  # counted from submission: a queued call is in flight too
+        try:
+            return super().submit(counted)
+        except BaseException:
+            self._changed(-1)
+            raise
 
 
 @dataclass
@@ -56,6 +109,8 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
+        self.abandoned: list[str] = []  # resources that did not stop within STOP_SECONDS
+        self.stuck_calls = 0  # backend calls still running in worker threads when the daemon stopped
 
     @property
     def runners(self) -> list[ResourceRunner]:
@@ -63,6 +118,9 @@ class Daemon:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        loop.set_exception_handler(_log_loop_error)
+        workers = _TrackingExecutor(loop)
+        loop.set_default_executor(workers)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
@@ -72,7 +130,7 @@ class Daemon:
         try:
             if http is not None:
                 http.start()
-            self.config.device_plugin_dir.mkdir(parents=True, exist_ok=True)
+            _make_plugin_dir(self.config.device_plugin_dir)
             log.info(
                 "starting",
                 device_plugin_dir=str(self.config.device_plugin_dir),
@@ -96,6 +154,19 @@ class Daemon:
                 http.stop()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(workers.idle.wait(), WORKER_GRACE_SECONDS)
+        self.stuck_calls = workers.in_flight
+        if self.stuck_calls:
+            log.error(
+                "a backend call did not return (discovery, pre-start or close); exiting without waiting for it",
+                calls=self.stuck_calls,
+                waited_s=WORKER_GRACE_SECONDS,
+            )
+        if self.abandoned:
+            log.error("stopped, abandoning resources that did not stop in time", resources=self.abandoned)
+        if self.abandoned or self.stuck_calls:
+            return 1
         log.info("stopped")
         return 0
 
@@ -129,17 +200,41 @@ class Daemon:
         self._running[resource.name] = _Running(runner, task)
 
     async def _stop_all(self, names: list[str]) -> dict[str, ResourceRunner]:
+        """Stop these resources, in parallel and within STOP_SECONDS: a stop never hangs. Returns the runners
+        stopped, by resource name."""
         stopping = [self._running.pop(name) for name in names if name in self._running]
+        if not stopping:
+            return {}
         for running in stopping:
             running.task.cancel()
+        deadline = asyncio.get_running_loop().time() + STOP_SECONDS
+        pending = {running.task for running in stopping}
+        while pending:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            _, pending = await asyncio.wait(pending, timeout=min(left, 0.5))
+            for task in pending:  # a swallowed cancellation is asked again
+                task.cancel()
         for running in stopping:
-            with contextlib.suppress(asyncio.CancelledError):
-                await running.task
+            if running.task in pending:
+                name = running.runner.config.name
+                self.abandoned.append(name)
+                log.error(
+                    "resource did not stop in time; abandoning it (its backend ignores cancellation)",
+                    resource=name,
+                    waited_s=STOP_SECONDS,
+                )
+                _remove_socket(running.runner.socket_path)
+            elif not running.task.cancelled() and running.task.exception() is not None:
+                exc = running.task.exception()
+                assert exc is not None
+                log_failure(log, "resource failed while stopping", exc, resource=running.runner.config.name)
         return {running.runner.config.name: running.runner for running in stopping}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready = every resource discovered its devices and is registered with the kubelet."""
-        phases = {name: r.runner.phase.value for name, r in self._running.items()}
+        phases = {name: r.runner.state.value for name, r in self._running.items()}
         ready = bool(phases) and all(p == Phase.REGISTERED for p in phases.values())
         return ready, {"ready": ready, "resources": phases}
 
@@ -150,7 +245,7 @@ class Daemon:
             runner = running.runner
             resources[name] = {
                 "backend": runner.config.backend,
-                "phase": runner.phase.value,
+                "phase": runner.state.value,
                 "registrations": runner.registrations,
                 "socket": str(runner.socket_path),
                 "devices": [
@@ -193,7 +288,7 @@ class Daemon:
                 delay = backoff.next_delay()
                 log.error(
                     "cannot watch the device-plugin directory; retrying (resync continues meanwhile)",
-                    error=f"{type(exc).__name__}: {exc}",
+                    error=error_text(exc),
                     retry_in_s=delay,
                 )
                 await asyncio.sleep(delay)
@@ -211,45 +306,78 @@ class Daemon:
             self._poke_all()
 
     async def reload(self) -> None:
-        """Apply a changed config; resources whose config did not change keep serving without a gap."""
+        """Apply a changed config; resources whose config did not change keep serving without a gap.
+
+        Always finishes: a file that cannot be used leaves the running config as it is, and stopping a
+        resource is bounded (STOP_SECONDS)."""
         async with self._reload_lock:
             try:
-                new = await asyncio.to_thread(self._reload_config)
-            except ConfigError as exc:
-                log.error("reload failed; keeping the running config", error=str(exc))
-                return
-            try:
-                check_socket_paths(new.device_plugin_dir, [r.name for r in new.resources])
-            except ValueError as exc:
-                log.error("reload failed; keeping the running config", error=str(exc))
-                return
-            old = self.config
-            if new.device_plugin_dir != old.device_plugin_dir:
-                log.info("device-plugin directory changed; restarting every resource")
-                await self._stop_all(list(self._running))
-                self.config = new
-                new.device_plugin_dir.mkdir(parents=True, exist_ok=True)
-                if self._watcher is not None:  # watch the new directory, not the old one
-                    self._watcher.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await self._watcher
-                    self._watcher = asyncio.create_task(self._watch_plugin_dir())
-                for resource in new.resources:
-                    self._start(resource)
-                return
+                await self._reload()
+            except Exception as exc:  # a bug, not a bad file; the running config stays
+                log_failure(log, "reload failed; keeping the running config", exc)
+
+    async def _reload(self) -> None:
+        try:
+            new = await asyncio.to_thread(self._reload_config)
+            check_socket_paths(new.device_plugin_dir, [r.name for r in new.resources])
+        except (ConfigError, ValueError) as exc:
+            log.error("reload failed; keeping the running config", error=str(exc))
+            return
+        old = self.config
+        if new.device_plugin_dir != old.device_plugin_dir:
+            log.info("device-plugin directory changed; restarting every resource")
+            await self._stop_all(list(self._running))
             self.config = new
-            wanted = {r.name: r for r in new.resources}
-            current = {name: r.runner.config for name, r in self._running.items()}
-            removed = [name for name in current if name not in wanted]
-            changed = [name for name in current if name in wanted and wanted[name] != current[name]]
-            added = [name for name in wanted if name not in current]
-            stopped = await self._stop_all(removed + changed)
-            for name, runner in stopped.items():
-                # No longer served through DRA here: take its ResourceSlices away so the scheduler stops
-                # allocating its devices (a restart or a config change that keeps DRA keeps them).
-                if runner.config.serve == "dra" and (name not in wanted or wanted[name].serve != "dra"):
-                    await runner.withdraw()
-            for name in changed + added:
-                self._start(wanted[name])
-            kept = len(current) - len(removed) - len(changed)
-            log.info("config reloaded", added=added, changed=changed, removed=removed, unchanged=kept)
+            _make_plugin_dir(new.device_plugin_dir)
+            if self._watcher is not None:  # watch the new directory, not the old one
+                self._watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._watcher
+                self._watcher = asyncio.create_task(self._watch_plugin_dir())
+            for resource in new.resources:
+                self._start(resource)
+            log.info("config reloaded", device_plugin_dir=str(new.device_plugin_dir))
+            return
+        self.config = new
+        wanted = {r.name: r for r in new.resources}
+        current = {name: r.runner.config for name, r in self._running.items()}
+        removed = [name for name in current if name not in wanted]
+        changed = [name for name in current if name in wanted and wanted[name] != current[name]]
+        added = [name for name in wanted if name not in current]
+        stopped = await self._stop_all(removed + changed)
+        for name, runner in stopped.items():
+            # No longer served through DRA here: take its ResourceSlices away so the scheduler stops allocating
+            # its devices (a restart or a config change that keeps DRA keeps them).
+            if runner.config.serve == "dra" and (name not in wanted or wanted[name].serve != "dra"):
+                await runner.withdraw()
+        for name in changed + added:
+            self._start(wanted[name])
+        kept = len(current) - len(removed) - len(changed)
+        log.info("config reloaded", added=added, changed=changed, removed=removed, unchanged=kept)
+
+
+def _make_plugin_dir(directory: Path) -> None:
+    """The kubelet makes it; we make it if it is missing. If we cannot, say so once: each resource keeps
+    retrying (naming the obstacle) and the directory watch follows the nearest existing parent."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.error(
+            "cannot create the device-plugin directory", path=str(directory), error=exc.strerror or str(exc)
+        )
+
+
+def _remove_socket(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            path.unlink()
+
+
+def _log_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """asyncio's last-resort reports ("Task exception was never retrieved") as one line, not a traceback."""
+    exc = context.get("exception")
+    message = context.get("message", "unexpected error")
+    if isinstance(exc, BaseException):
+        log_failure(log, "unexpected error in the event loop", exc, detail=message)
+    else:
+        log.error("unexpected error in the event loop", detail=message)

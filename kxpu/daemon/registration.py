@@ -10,7 +10,7 @@ import grpc
 
 from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from kxpu.daemon.wire import API_VERSION
+from kxpu.daemon.wire import API_VERSION, REGISTRATION_OPTIONS
 
 # The kubelet dials back (10 s timeout) and calls GetDevicePluginOptions before it answers.
 REGISTER_TIMEOUT_SECONDS = 15.0
@@ -36,7 +36,7 @@ async def register(
     kubelet_socket: Path, endpoint: str, resource: str, options: pb.DevicePluginOptions
 ) -> None:
     """One registration attempt; raises grpc.aio.AioRpcError with the kubelet's reason on failure."""
-    async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
+    async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}", options=REGISTRATION_OPTIONS) as channel:
         stub = pb_grpc.RegistrationStub(channel)
         await stub.Register(
             pb.RegisterRequest(

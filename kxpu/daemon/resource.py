@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
+import itertools
 import os
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,8 +28,9 @@ from kxpu.daemon import metrics
 from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.registration import FileIdentity, file_identity, register
 from kxpu.daemon.servicer import DevicePluginServicer, DeviceSnapshot
-from kxpu.daemon.wire import KUBELET_SOCKET
-from kxpu.logs import get_logger
+from kxpu.daemon.serving import stop_server
+from kxpu.daemon.wire import KUBELET_SOCKET, SERVER_OPTIONS
+from kxpu.logs import error_text, get_logger, log_failure
 from kxpu.model import Backend, BackendError, Closable, Device, Watcher
 from kxpu.timeouts import wait_event
 
@@ -63,15 +67,84 @@ class Phase(enum.StrEnum):
     STARTING = "starting"
     WAITING_FOR_KUBELET = "waiting-for-kubelet"
     REGISTERED = "registered"
+    # Registered, but the kubelet has no ListAndWatch stream open that was sent the current device list
+    # (it has not opened one yet, or it closed it): the node does not have the devices.
+    AWAITING_LIST_AND_WATCH = "awaiting-list-and-watch"
     STANDBY = "standby"  # another live process serves this resource's socket
     FAILED = "failed"
     STOPPED = "stopped"
 
 
-def socket_name(resource: str) -> str:
+# sockaddr_un holds 108 bytes including the terminating NUL; the kubelet dials the same path.
+MAX_SOCKET_PATH = 107
+_HASH_HEX = 16
+_SHORTEST_NAME = len("kxpu-") + _HASH_HEX + len(".sock")  # a hashed socket name without a hint
+# The longest device-plugin directory in which every resource gets a socket name: a hashed name always fits,
+# and so does the private bind name (``.kxpu-<pid>-<n>``: a pid has at most 7 digits).
+MAX_PLUGIN_DIR = MAX_SOCKET_PATH - 1 - _SHORTEST_NAME
+
+
+def _path_bytes(path: Path) -> int:
+    return len(os.fsencode(path))
+
+
+def socket_name(resource: str, plugin_dir: Path | None = None) -> str:
     """``example.com/npu`` → ``kxpu-example.com_npu.sock``: one socket per resource, and one resource
-    per socket, since a domain cannot contain ``_`` (``a.com/b-c`` and ``a.com-b/c`` stay apart)."""
-    return "kxpu-" + resource.replace("/", "_", 1) + ".sock"
+    per socket, since a domain cannot contain ``_`` (``a.com/b-c`` and ``a.com-b/c`` stay apart).
+
+    A name whose path in ``plugin_dir`` would pass the unix limit (a valid resource name can be 308
+    characters) gets ``kxpu-<name part, shortened>-<16 hex of its SHA-256>.sock`` instead: the kubelet only
+    needs the endpoint it is told at registration. Such names contain no ``_``, so they never meet a
+    readable one, and the hash keeps two long names apart.
+    """
+    readable = "kxpu-" + resource.replace("/", "_", 1) + ".sock"
+    if plugin_dir is None or _path_bytes(plugin_dir / readable) <= MAX_SOCKET_PATH:
+        return readable
+    digest = hashlib.sha256(resource.encode()).hexdigest()[:_HASH_HEX]
+    room = MAX_SOCKET_PATH - _path_bytes(plugin_dir) - 1 - _SHORTEST_NAME - 1  # 1: the "-" before the hash
+    hint = resource.rpartition("/")[2].replace("_", "-")[: max(room, 0)]
+    return f"kxpu-{hint}-{digest}.sock" if hint else f"kxpu-{digest}.sock"
+
+
+def check_socket_paths(plugin_dir: Path, resources: list[str]) -> None:
+    """Refuse at load what bind() would refuse at serve time: a directory too long for any socket name."""
+    if _path_bytes(plugin_dir) > MAX_PLUGIN_DIR:
+        raise ValueError(
+            f"devicePluginDir {plugin_dir} is {_path_bytes(plugin_dir)} bytes; kxpu needs at most "
+            f"{MAX_PLUGIN_DIR} (unix socket paths are limited to {MAX_SOCKET_PATH} bytes): use a shorter "
+            "device-plugin directory"
+        )
+    names = [socket_name(r, plugin_dir) for r in resources]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:  # 64 bits of SHA-256 apart: never seen, but two resources must never share a socket
+        raise ValueError(f"resources would share the socket {', '.join(clashes)}; rename one")
+
+
+# Each server binds a name never used before in this process (see ResourceRunner._serve).
+_bind_serial = itertools.count()
+
+
+class ServeError(Exception):
+    """The resource's socket cannot be served; the message says why and what to do."""
+
+
+def _obstacle(path: Path) -> str | None:
+    """What non-socket occupies ``path`` (kxpu never deletes what is not a socket), or None."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if stat.S_ISSOCK(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a special file"
 
 
 def _live_socket(path: Path) -> bool:
@@ -87,21 +160,6 @@ def _live_socket(path: Path) -> bool:
         return True
 
 
-# sockaddr_un holds 108 bytes including the terminating NUL.
-MAX_SOCKET_PATH = 107
-
-
-def check_socket_paths(plugin_dir: Path, resources: list[str]) -> None:
-    """Refuse up front what bind() would refuse later with an obscure error."""
-    for resource in resources:
-        path = plugin_dir / socket_name(resource)
-        if len(str(path).encode()) > MAX_SOCKET_PATH:
-            raise ValueError(
-                f"socket path {path} for {resource} is {len(str(path).encode())} bytes; unix sockets allow "
-                f"{MAX_SOCKET_PATH}: use a shorter device-plugin directory or resource name"
-            )
-
-
 class ResourceRunner:
     def __init__(
         self, config: ResourceConfig, plugin_dir: Path, build: BackendFactory, dra: DraFactory | None = None
@@ -112,12 +170,13 @@ class ResourceRunner:
         self.dra_factory = dra
         self.dra: DraServer | None = None  # while serving through DRA
         self._last_dra: DraServer | None = None  # for withdraw() after the runner stopped
-        self.socket_path = plugin_dir / socket_name(config.name)
+        self.socket_path = plugin_dir / socket_name(config.name, plugin_dir)
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET
         self._phase = Phase.STARTING
         self.registrations = 0
         self.snapshot = DeviceSnapshot()
         self.backend: Backend | None = None  # while the resource runs (telemetry samples it)
+        self._servicer: DevicePluginServicer | None = None
         self._poked = asyncio.Event()
         self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
         self.log = log.bind(resource=config.name)
@@ -136,6 +195,16 @@ class ResourceRunner:
     def phase(self, value: Phase) -> None:
         self._phase = value
 
+    @property
+    def state(self) -> Phase:
+        """The phase as probes and ``kxpu status`` report it: a device-plugin resource counts as registered
+        only once the kubelet's ListAndWatch stream has the current device list (the node has the devices)."""
+        phase = self.phase
+        synced = self._servicer is not None and self._servicer.kubelet_synced()
+        if self.dra is None and phase is Phase.REGISTERED and not synced:
+            return Phase.AWAITING_LIST_AND_WATCH
+        return phase
+
     def poke(self) -> None:
         """Something in the device-plugin directory changed: re-check socket and registration."""
         self._poked.set()
@@ -152,19 +221,18 @@ class ResourceRunner:
                     await self._run_once()
                     return
                 except Exception as exc:
+                    if _stop_requested():
+                        # Stopped (SIGTERM, a reload) while this failure was being torn down: asyncio's
+                        # TaskGroup then raises the child's error and drops the cancellation. Retrying
+                        # would serve and register again after "stopping" and never end.
+                        log_failure(self.log, "resource failed as it was stopped", exc)
+                        raise asyncio.CancelledError from None
                     self.phase = Phase.FAILED
                     metrics.RESOURCE_FAILURES.labels(self.config.name).inc()
                     if self.registrations > registered_before:
                         backoff.reset()  # it worked for a while: a new failure starts the backoff over
                     delay = backoff.next_delay()
-                    self.log.error(
-                        "resource failed; retrying",
-                        error=f"{type(exc).__name__}: {exc}",
-                        retry_in_s=delay,
-                        exc_info=not isinstance(
-                            exc, grpc.RpcError | OSError | BackendError
-                        ),  # a message, not a bug
-                    )
+                    log_failure(self.log, "resource failed; retrying", exc, retry_in_s=delay)
                     await asyncio.sleep(delay)
         finally:
             self.phase = Phase.STOPPED
@@ -185,6 +253,7 @@ class ResourceRunner:
                     "kubelet would hand them out together): set serve: dra"
                 )
             servicer = DevicePluginServicer(self.config.name, backend, self.snapshot)
+            self._servicer = servicer
             self.log.info(
                 "backend ready",
                 backend=self.config.backend,
@@ -196,8 +265,10 @@ class ResourceRunner:
                 if isinstance(backend, Watcher):
                     tasks.create_task(self._follow(backend))
                 tasks.create_task(self._serve_and_register(servicer))
+                tasks.create_task(self._fail_with_streams(servicer))
         finally:
             self.backend = None
+            self._servicer = None
             if isinstance(backend, Closable):
                 await asyncio.to_thread(backend.close)
 
@@ -240,6 +311,11 @@ class ResourceRunner:
                 self.log.info("devices changed", devices=len(devices), unhealthy=unhealthy)
         self.log.debug("backend stopped watching; the device list is static from now on")
 
+    async def _fail_with_streams(self, servicer: DevicePluginServicer) -> None:
+        """A ListAndWatch stream that could not send fails the resource: the kubelet would otherwise keep
+        the dead stream's devices unhealthy with nothing logged and nothing retried."""
+        raise await servicer.stream_failure()
+
     async def _update(self, devices: list[Device]) -> bool:
         changed = await self.snapshot.update(devices)
         if changed:
@@ -252,7 +328,9 @@ class ResourceRunner:
         served: FileIdentity | None = None
         registered_with: FileIdentity | None = None
         backoff = Backoff(initial=0.1, maximum=10.0)
+        serve_backoff = Backoff(initial=0.5, maximum=10.0)
         waiting_logged = False
+        blocked: str | None = None  # the last ServeError logged, so that a retry loop logs it once
         try:
             while True:
                 self._poked.clear()
@@ -266,16 +344,30 @@ class ResourceRunner:
                         self.phase = Phase.STANDBY
                         metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
                         if server is not None:
-                            await server.stop(0)
+                            await stop_server(server, 0)
                             server, served = None, None
                         await self._poked.wait()
                         continue
                     if server is not None:
                         self.log.warning("our socket was removed (kubelet restart?); serving again")
-                        await server.stop(0)
-                    server, served = await self._serve(servicer)
+                        await stop_server(server, 0)
+                        server, served = None, None
                     registered_with = None
                     metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
+                    try:
+                        server, served = await self._serve(servicer)
+                    except ServeError as exc:
+                        # An obstacle in the directory (a directory where our socket goes): the backend keeps
+                        # running, and the directory watch pokes us the moment the obstacle is gone.
+                        self.phase = Phase.FAILED
+                        if str(exc) != blocked:
+                            blocked = str(exc)
+                            metrics.RESOURCE_FAILURES.labels(self.config.name).inc()
+                            self.log.error("cannot serve; retrying when the directory changes", error=blocked)
+                        await self._wait_poke(serve_backoff.next_delay())
+                        continue
+                    blocked = None
+                    serve_backoff.reset()
                 kubelet = file_identity(self.kubelet_socket)
                 if kubelet is None:
                     self.phase = Phase.WAITING_FOR_KUBELET
@@ -311,7 +403,7 @@ class ResourceRunner:
                 await self._poked.wait()
         finally:
             if server is not None:
-                await server.stop(0.5)
+                await stop_server(server, 0.5)
             if served is not None and file_identity(self.socket_path) == served:
                 with contextlib.suppress(FileNotFoundError):
                     self.socket_path.unlink()
@@ -320,30 +412,55 @@ class ResourceRunner:
         """Serve before registering: the kubelet dials back before it answers Register.
 
         The server binds a private name that is then renamed into place: gRPC unlinks the path it
-        bound when it stops, and that must never be a socket someone else has put there since.
+        bound when it stops, and that must never be a socket someone else has put there since. The
+        name is short (a long socket name would pass the unix limit) and never reused in this process.
+        Raises ServeError, naming the obstacle and what to do, when the directory does not let us serve.
         """
-        self.plugin_dir.mkdir(parents=True, exist_ok=True)  # it may have been removed under us
-        bound = self.plugin_dir / f".{self.socket_path.name}.{os.getpid()}"
+        if not self.plugin_dir.is_dir():
+            try:
+                self.plugin_dir.mkdir(parents=True, exist_ok=True)  # it may have been removed under us
+            except OSError as exc:
+                raise ServeError(
+                    f"cannot create the device-plugin directory {self.plugin_dir}: {exc.strerror or exc}"
+                ) from None
+        obstacle = _obstacle(self.socket_path)
+        if obstacle is not None:
+            raise ServeError(
+                f"{self.socket_path} is {obstacle}, not a socket; kxpu does not delete it: remove it, and "
+                "the resource is served at once"
+            )
+        bound = self.plugin_dir / f".kxpu-{os.getpid()}-{next(_bind_serial)}"
         with contextlib.suppress(FileNotFoundError):
             bound.unlink()
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
-        server.add_insecure_port(f"unix://{bound}")
+        try:
+            server.add_insecure_port(f"unix://{bound}")
+        except RuntimeError as exc:  # gRPC says only "Failed to bind"; the directory is what to look at
+            raise ServeError(f"cannot bind a socket in {self.plugin_dir}: {exc}") from None
         await server.start()
         try:
             os.replace(bound, self.socket_path)  # also replaces a stale socket from a killed run
-        except OSError:
-            await server.stop(0)
-            raise
+        except OSError as exc:
+            await stop_server(server, 0)
+            with contextlib.suppress(FileNotFoundError):
+                bound.unlink()
+            raise ServeError(f"cannot put the socket at {self.socket_path}: {exc.strerror or exc}") from None
         identity = file_identity(self.socket_path)
         if identity is None:
-            await server.stop(0)
-            raise OSError(f"gRPC server started but {self.socket_path} does not exist")
+            await stop_server(server, 0)
+            raise ServeError(f"gRPC server started but {self.socket_path} does not exist")
         self.log.info("serving", socket=str(self.socket_path))
         return server, identity
 
     async def _wait_poke(self, timeout: float) -> None:
         await wait_event(self._poked, timeout)
+
+
+def _stop_requested() -> bool:
+    """Whether the current task has been asked to stop, even if the CancelledError was swallowed."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _close_built(building: asyncio.Future[Backend]) -> None:
@@ -353,8 +470,8 @@ def _close_built(building: asyncio.Future[Backend]) -> None:
     if isinstance(backend, Closable):
         try:
             backend.close()
-        except Exception:
-            log.exception("closing a backend built after its resource stopped failed")
+        except Exception as exc:
+            log.error("closing a backend built after its resource stopped failed", error=error_text(exc))
 
 
 def _rpc_reason(exc: grpc.RpcError) -> str:

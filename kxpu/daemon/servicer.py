@@ -7,6 +7,7 @@ refuses anything it cannot vouch for, and wakes every ListAndWatch stream on a c
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
@@ -16,8 +17,14 @@ import grpc
 from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from kxpu.daemon import metrics
-from kxpu.daemon.wire import WireKey, edits_to_pb, list_and_watch_response, wire_key
-from kxpu.logs import get_logger
+from kxpu.daemon.wire import (
+    KUBELET_MAX_MESSAGE_BYTES,
+    WireKey,
+    edits_to_pb,
+    list_and_watch_response,
+    wire_key,
+)
+from kxpu.logs import get_logger, log_failure
 from kxpu.model import (
     AsyncAllocator,
     Backend,
@@ -35,20 +42,26 @@ log = get_logger("kxpu.daemon.servicer")
 
 class DeviceSnapshot:
     """The latest device list, with two counters: ``version`` moves only when the device plugin's kubelet
-    would see a difference (ID, health, NUMA), ``revision`` on any change at all (a DRA ResourceSlice
-    also publishes memory, model and vendor attributes)."""
+    would see a difference (ID, health, NUMA), ``revision`` on any change at all (a DRA ResourceSlice also
+    publishes memory, model and vendor attributes).
+
+    The ListAndWatch message is built here, once per version, so that a list the kubelet could not take
+    fails the update (the resource fails, is logged and retried) instead of every stream, silently."""
 
     def __init__(self) -> None:
         self.devices: dict[str, Device] = {}
         self.version = 0
         self.revision = 0
+        self.message = pb.ListAndWatchResponse()
         self._key: WireKey = ()
         self._changed = asyncio.Condition()
 
     async def update(self, devices: Sequence[Device]) -> bool:
-        """Replace the list; True if the kubelet's view (``version``) changed."""
+        """Replace the list; True if the kubelet's view (``version``) changed. Raises InvalidDeviceError
+        (duplicate IDs, a list the wire cannot carry); nothing changes then."""
         by_id = index_by_id(list(devices))
         key = wire_key(by_id.values())
+        message = list_and_watch_response(by_id.values()) if key != self._key else self.message
         async with self._changed:
             if by_id == self.devices and self.revision:
                 return False
@@ -57,6 +70,7 @@ class DeviceSnapshot:
             wire_changed = key != self._key
             if wire_changed:
                 self._key = key
+                self.message = message
                 self.version += 1
             self._changed.notify_all()
             return wire_changed
@@ -92,6 +106,20 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             get_preferred_allocation_available=caps.preferred_allocation,
         )
         self.log = log.bind(resource=resource)
+        self._sent: dict[int, int] = {}  # open ListAndWatch stream → the snapshot version it last sent
+        self._streams = itertools.count()
+        self._failed = asyncio.Event()
+        self._failure: Exception | None = None
+
+    def kubelet_synced(self) -> bool:
+        """Some open ListAndWatch stream has sent the current device list: the kubelet has the devices."""
+        return self.snapshot.version in self._sent.values()
+
+    async def stream_failure(self) -> Exception:
+        """Wait until a ListAndWatch stream fails to send; returns why."""
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
@@ -102,18 +130,25 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.ListAndWatchResponse]
     ) -> AsyncIterator[pb.ListAndWatchResponse]:
         self.log.info("kubelet opened ListAndWatch")
+        stream = next(self._streams)
         sent = -1
         try:
             while True:
                 version = self.snapshot.version
                 if version != sent:
-                    devices = list(self.snapshot.devices.values())
-                    sent = version
-                    healthy = sum(d.healthy for d in devices)
-                    self.log.info("sending device list", devices=len(devices), healthy=healthy)
-                    yield list_and_watch_response(devices)
+                    message = self.snapshot.message
+                    healthy = sum(d.health == "Healthy" for d in message.devices)
+                    self.log.info("sending device list", devices=len(message.devices), healthy=healthy)
+                    yield message
+                    sent = self._sent[stream] = version
                 await self.snapshot.wait_newer_than(sent)
+        except Exception as exc:  # never silent: the kubelet would hold the devices unhealthy, unexplained
+            self._failure = RuntimeError(f"ListAndWatch could not send the device list: {exc}")
+            self._failed.set()
+            log_failure(self.log, "ListAndWatch failed; restarting the resource", exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"kxpu could not send the device list: {exc}")
         finally:
+            self._sent.pop(stream, None)
             self.log.info("ListAndWatch closed")
 
     def _lookup(self, ids: Sequence[str], where: str) -> list[Device]:
@@ -161,26 +196,43 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             await self._refuse(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "Allocate with no container requests"
             )
+        granted: dict[str, int] = {}  # device ID → the container request that got it
         for n, container in enumerate(request.container_requests, start=1):
             ids = list(container.devices_ids)
             # The kubelet does not say which pod this is; name what we can.
             where = f"container request {n}/{total}"
             try:
                 devices = self._lookup(ids, where)
+                twice = sorted(i for i in ids if i in granted)
+                if twice:
+                    raise Refused(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{where}: device IDs also requested by container request "
+                        f"{granted[twice[0]]}/{total}: {', '.join(twice)}",
+                    )
                 if self._awaits:
                     edits = await cast(AsyncAllocator, self.backend).allocate_async(devices)
                 else:
                     edits = self.backend.allocate(devices)
+                response.container_responses.append(edits_to_pb(edits))
             except Refused as exc:
                 await self._refuse(context, exc.code, str(exc), ids=ids)
             except BackendError as exc:
                 await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}", ids=ids)
             except Exception as exc:
-                self.log.exception("backend failed to allocate", ids=ids)
+                log_failure(self.log, "backend failed to allocate", exc, ids=ids)
                 metrics.ALLOCATE_ERRORS.labels(self.resource, grpc.StatusCode.INTERNAL.name).inc()
                 await context.abort(grpc.StatusCode.INTERNAL, f"{where}: backend error: {exc}")
-            response.container_responses.append(edits_to_pb(edits))
+            granted.update(dict.fromkeys(ids, n))
             self.log.info("allocated", request=where, ids=ids)
+        size = response.ByteSize()
+        if size > KUBELET_MAX_MESSAGE_BYTES:
+            await self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the Allocate answer is {size} bytes; the kubelet accepts at most {KUBELET_MAX_MESSAGE_BYTES}",
+                ids=[i for c in request.container_requests for i in c.devices_ids],
+            )
         return response
 
     async def GetPreferredAllocation(
@@ -188,14 +240,20 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         request: pb.PreferredAllocationRequest,
         context: grpc.aio.ServicerContext[pb.PreferredAllocationRequest, pb.PreferredAllocationResponse],
     ) -> pb.PreferredAllocationResponse:
+        """Only known devices, each once, ``must_include`` first; the kubelet keeps what it offered."""
         response = pb.PreferredAllocationResponse()
         devices = self.snapshot.devices
         for container in request.container_requests:
-            available = [devices[i] for i in container.available_deviceIDs if i in devices]
-            must = [devices[i] for i in container.must_include_deviceIDs if i in devices]
+            available = [devices[i] for i in dict.fromkeys(container.available_deviceIDs) if i in devices]
+            must = [devices[i] for i in dict.fromkeys(container.must_include_deviceIDs) if i in devices]
             size = container.allocation_size
             if size <= 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} must be > 0")
+            if len(must) > size:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{len(must)} devices must be included in an allocation of {size}",
+                )
             started = time.perf_counter()
             chosen = await self._preferred(available, must, size)
             metrics.PREFERRED_SECONDS.labels(self.resource).observe(time.perf_counter() - started)
@@ -216,8 +274,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 if _valid_choice(chosen, available, must, size):
                     return chosen
                 self.log.warning("backend preferred allocation ignored: breaks the request", chosen=chosen)
-            except Exception:
-                self.log.exception("backend preferred allocation failed; using the NUMA-packed default")
+            except Exception as exc:
+                log_failure(
+                    self.log, "backend preferred allocation failed; using the NUMA-packed default", exc
+                )
         return numa_packed(available, must, size)
 
     async def PreStartContainer(
@@ -227,11 +287,19 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     ) -> pb.PreStartContainerResponse:
         ids = list(request.devices_ids)
         if isinstance(self.backend, PreStarter):
+            unknown = [i for i in ids if i not in self.snapshot.devices]
+            if unknown or not ids:
+                reason = (
+                    f"unknown {self.resource} device IDs: {', '.join(unknown)}" if ids else "no device IDs"
+                )
+                self.log.warning("pre-start refused", reason=reason, ids=ids)
+                code = grpc.StatusCode.NOT_FOUND if ids else grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, f"pre-start: {reason}")
             try:
-                devices = [self.snapshot.devices[i] for i in ids if i in self.snapshot.devices]
+                devices = [self.snapshot.devices[i] for i in ids]
                 await asyncio.to_thread(self.backend.pre_start, devices)
             except Exception as exc:
-                self.log.exception("pre-start failed", ids=ids)
+                log_failure(self.log, "pre-start failed", exc, ids=ids)
                 await context.abort(grpc.StatusCode.INTERNAL, f"pre-start of {', '.join(ids)} failed: {exc}")
         return pb.PreStartContainerResponse()
 

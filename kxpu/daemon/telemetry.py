@@ -35,7 +35,7 @@ from kxpu.daemon.holders import (
     list_pod_resources,
     owner_of,
 )
-from kxpu.logs import get_logger
+from kxpu.logs import error_text, get_logger, log_failure
 from kxpu.model import Backend, Device, DeviceUsage, Grant, ProcessUsage, TelemetrySource, find_capability
 
 log = get_logger("kxpu.daemon.telemetry")
@@ -170,7 +170,7 @@ class TelemetrySampler:
                 try:
                     await self.tick()
                 except Exception as exc:  # a bug here must not stop telemetry for good
-                    log.error("telemetry tick failed", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+                    log_failure(log, "telemetry tick failed", exc)
                 interval = self._config().telemetry.interval_seconds
                 await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
         finally:
@@ -280,7 +280,7 @@ class TelemetrySampler:
         try:
             await self._on_exceeded(event)
         except Exception as exc:
-            log.warning("could not report a grant excursion", error=f"{type(exc).__name__}: {exc}")
+            log.warning("could not report a grant excursion", error=error_text(exc))
 
     # ------------------------------------------------------------------ /status
     def status(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from lightkube.resources.core_v1 import Node
 
 from kxpu.dra.prepare import ClaimRef
 from kxpu.kube.client import is_status, make_client, post_event
-from kxpu.logs import get_logger
+from kxpu.logs import error_text, get_logger
 
 log = get_logger("kxpu.dra.kube")
 
@@ -95,6 +95,4 @@ class DraKube:
                 api_version="resource.k8s.io/v1",
             )
         except Exception as exc:  # an event is a courtesy; never fail the call for it
-            log.warning(
-                "cannot post an event on the claim", claim=claim.ref, error=f"{type(exc).__name__}: {exc}"
-            )
+            log.warning("cannot post an event on the claim", claim=claim.ref, error=error_text(exc))

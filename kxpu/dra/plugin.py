@@ -34,6 +34,7 @@ from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.holders import HolderError, list_pod_resources
 from kxpu.daemon.registration import FileIdentity, file_identity
 from kxpu.daemon.servicer import DeviceSnapshot
+from kxpu.daemon.serving import stop_server
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import Checkpoint
 from kxpu.dra.config import DraConfig
@@ -42,7 +43,7 @@ from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
 from kxpu.dra.slices import SharePolicy
 from kxpu.fswatch import directory_changes
-from kxpu.logs import get_logger
+from kxpu.logs import error_text, get_logger
 from kxpu.model import Backend, Partitioner
 from kxpu.timeouts import wait_event
 
@@ -129,15 +130,15 @@ class _Served:
         try:
             os.replace(private, self.path)
         except OSError:
-            await server.stop(0)
+            await stop_server(server, 0)
             raise
         self.server, self.identity = server, file_identity(self.path)
         log.info("serving", what=self.what, socket=str(self.path))
 
     async def stop(self, grace: float | None = 0) -> None:
         if self.server is not None:
-            await self.server.stop(grace)
-            self.server = None
+            server, self.server = self.server, None
+            await stop_server(server, grace)
         if self.identity is not None and file_identity(self.path) == self.identity:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
@@ -294,7 +295,7 @@ class DraPlugin:
                     self.poke()
             except Exception as exc:  # inotify limits: the resync still re-checks every RESYNC_SECONDS
                 delay = backoff.next_delay()
-                self.log.error("cannot watch the DRA directories", error=f"{type(exc).__name__}: {exc}")
+                self.log.error("cannot watch the DRA directories", error=error_text(exc))
                 await asyncio.sleep(delay)
 
     async def _read_held(self) -> bool:
@@ -352,7 +353,7 @@ class DraPlugin:
                 delay = backoff.next_delay()
                 self.log.error(
                     "publishing ResourceSlices failed; retrying",
-                    error=f"{type(exc).__name__}: {exc}",
+                    error=error_text(exc),
                     retry_in_s=round(delay, 2),
                 )
             changes = [
@@ -398,4 +399,4 @@ class DraPlugin:
         try:
             await self.publisher.withdraw()
         except Exception as exc:
-            self.log.error("could not withdraw ResourceSlices", error=f"{type(exc).__name__}: {exc}")
+            self.log.error("could not withdraw ResourceSlices", error=error_text(exc))

@@ -22,6 +22,7 @@ from kxpu.model.backend import (
 )
 from kxpu.model.device import (
     MAX_DEVICE_ID_LENGTH,
+    MAX_NUMA_NODE,
     Device,
     Health,
     InvalidDeviceError,
@@ -44,6 +45,7 @@ from kxpu.model.telemetry import (
 __all__ = [
     "GRANT_ANNOTATION",
     "MAX_DEVICE_ID_LENGTH",
+    "MAX_NUMA_NODE",
     "AsyncAllocator",
     "Backend",
     "BackendError",

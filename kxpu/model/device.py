@@ -9,6 +9,8 @@ from enum import StrEnum
 
 # The kubelet stores IDs in its checkpoint and CDI names embed them: keep them short and name-safe.
 MAX_DEVICE_ID_LENGTH = 63
+# The kubelet's topology manager keeps NUMA nodes in a 64-bit mask ("bit number must be in range 0-63").
+MAX_NUMA_NODE = 63
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 
 

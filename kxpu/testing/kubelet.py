@@ -134,6 +134,7 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
         self.registrations: list[tuple[float, str]] = []  # (monotonic time, resource)
         self.rejections: list[str] = []
         self.reject_next = 0  # tests: refuse this many registrations, as a kubelet in trouble would
+        self.open_list_and_watch = True  # tests: False registers without taking the devices
         self._server: grpc.aio.Server | None = None
         self._changed = asyncio.Condition()
 
@@ -202,7 +203,8 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
         if old is not None:
             await self._drop(old)
         self.plugins[request.resource_name] = view
-        view.stream_task = asyncio.create_task(self._consume(view))
+        if self.open_list_and_watch:
+            view.stream_task = asyncio.create_task(self._consume(view))
         self.registrations.append((view.registered_at, request.resource_name))
         async with self._changed:
             self._changed.notify_all()

@@ -655,8 +655,14 @@ class NvidiaBackend(Backend):
         self._closed = True
         path = self.config.labels.features_file
         if path is not None:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # a directory put there, a read-only mount: say so, close the rest anyway
+                log.error(
+                    "cannot remove the NFD features file", path=str(path), error=exc.strerror or str(exc)
+                )
         with self._mps_lock:  # not while start_mps() is under way in the watch's thread
             if self.mps is not None:
                 exited = self.mps.stop()

@@ -26,7 +26,7 @@ from typing import Any
 from kxpu.backends.nvidia.config import HealthRecovery
 from kxpu.backends.nvidia.discovery import GpuInfo
 from kxpu.backends.nvidia.nvml import Nvml, describe, is_code, text
-from kxpu.logs import get_logger
+from kxpu.logs import get_logger, log_failure
 
 log = get_logger("kxpu.backends.nvidia.health")
 
@@ -211,8 +211,8 @@ class HealthMonitor:
             self._register(event_set)
             self.ready.set()
             self._loop(event_set)
-        except Exception:
-            log.exception("health thread crashed; marking every GPU unhealthy")
+        except Exception as exc:
+            log_failure(log, "health thread crashed; marking every GPU unhealthy", exc)
             self._fault(self._all_gpus(), "health-thread-crashed")
         finally:
             self.ready.set()

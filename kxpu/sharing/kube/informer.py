@@ -20,7 +20,7 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node, Pod
 
 from kxpu.kube.client import annotations_of, name_of, uid_of, version_of
-from kxpu.logs import get_logger
+from kxpu.logs import error_text, get_logger
 from kxpu.sharing import signing
 from kxpu.sharing.inventory import SHARING_NODE_LABEL
 from kxpu.sharing.lock import ASSIGNED_POD_LABEL
@@ -106,7 +106,7 @@ class Informer:
                 log.warning(
                     "watch failed; listing again",
                     what=what,
-                    error=f"{type(exc).__name__}: {exc}",
+                    error=error_text(exc),
                     retry_in_s=delay,
                 )
                 await asyncio.sleep(delay)
