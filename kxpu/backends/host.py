@@ -1,10 +1,12 @@
 """The host as a backend reads it: sysfs, /dev and driver files under one root (``hostRoot``).
 
 Every vendor backend reads the machine through a ``Host``: in production its root is ``/``;
-tests and ``kxpu devices`` over a fake machine point it at a generated tree. Paths are always
-written as the *host* sees them (``/sys/class/kfd``, ``/dev/kfd``), so what a backend puts in
-a container's edits is the real path whatever the root, and only reading goes through
-``Host.path``.
+tests and ``kxpu devices`` over a fake machine point it at a generated tree. Paths are written
+as the *host* sees them (``/sys/class/kfd``, ``/dev/kfd``) and only reading goes through
+``Host.path``. A container's edits name the path inside the container as the vendor's plugin
+does (``/dev/kfd``) and, for its source on the host, the path as read under the root: the same
+thing when the root is ``/``, and the fake's nodes when it is a fake tree (so that the real
+kubelet and containerd can hand the e2e suite's mknod'ed nodes to a pod).
 
 Garbage in a sysfs file (a driver bug, a half-written fake) raises ``HostFileError`` naming the
 file and what was expected, never a bare ``ValueError`` from deep inside a backend.

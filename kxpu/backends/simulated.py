@@ -102,6 +102,9 @@ class SimulatedConfig(BackendConfig):
     @model_validator(mode="after")
     def _last_id_fits(self) -> SimulatedConfig:
         last = f"{self.model}-{self.count - 1}"
+        if self.partitions is not None:  # the longest partition ID: the biggest profile at its last placement
+            size = self.partitions.profiles[-1]
+            last += f"-{size}g-{(self.partitions.slices - size) // size * size}"
         try:
             check_device_id(last)
         except ValueError:
