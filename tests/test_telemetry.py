@@ -337,7 +337,7 @@ def test_nvidia_sample_reads_the_gpus_and_their_processes() -> None:
         d0 = sample.devices[0]
         assert (d0.compute_utilization, d0.memory_bandwidth_utilization) == (0.55, 0.2)
         assert (d0.power_watts, d0.temperature_celsius) == (301.5, 61.0)
-        assert d0.memory_used_bytes == (512 + 2048) * MIB and d0.memory_total_bytes == 81920 * MIB
+        assert d0.memory_used_bytes == 2048 * MIB and d0.memory_total_bytes == 81920 * MIB
         assert d0.clocks_hz == {"sm": 210e6, "memory": 1593e6, "graphics": 210e6}
         assert d0.ecc_errors == {"corrected": 3, "uncorrected": 0}
         procs = {p.pid: p for p in sample.processes}

@@ -48,6 +48,7 @@ FAKE_NVML_CONTROL_ENV = "KXPU_FAKE_NVML_CONTROL"
 
 _UUID_NS = uuidlib.UUID("0b7c8f5e-3f0d-4d7e-8a1c-5d0c6b9e2a41")
 MIB = 1024 * 1024
+RESERVED_MIB = 512  # what the fake driver keeps for itself on every GPU (an H200 keeps about 600 MiB)
 
 
 def _uuid(prefix: str, *parts: object) -> str:
@@ -336,7 +337,7 @@ class FakeNvml:
 
     def __getattr__(self, name: str) -> Any:
         # NVML_* constants, nvmlEventType*, NVMLError_* classes and ctypes structures come from pynvml.
-        if name.startswith(("NVML_", "nvmlEventType", "NVMLError_", "c_nvml", "nvmlPciInfo")):
+        if name.startswith(("NVML_", "nvmlEventType", "NVMLError_", "c_nvml", "nvmlPciInfo", "nvmlMemory_v")):
             return getattr(pynvml, name)
         raise AttributeError(f"fake NVML has no {name!r}")
 
@@ -435,8 +436,15 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle, version: int | None = None) -> Any:
         gpu = self._gpu(handle)
         total = (self._mig(handle).memory_mib if handle.mig is not None else gpu.memory_mib) * MIB
-        used = min(total, 512 * MIB + sum((p.memory_mib or 0) * MIB for p in self._processes_of(handle, gpu)))
-        return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
+        # The driver reserves memory on every GPU; v1's ``used`` counts it, v2 reports it apart (as the driver does).
+        reserved = min(total, RESERVED_MIB * MIB)
+        used = min(total - reserved, sum((p.memory_mib or 0) * MIB for p in self._processes_of(handle, gpu)))
+        if version == pynvml.nvmlMemory_v2:
+            free = total - reserved - used
+            return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, free=free, used=used)
+        if version:  # driver 580 answers an unknown structure version so, not ARGUMENT_VERSION_MISMATCH
+            raise _err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return pynvml.c_nvmlMemory_t(total=total, free=total - reserved - used, used=reserved + used)
 
     def nvmlDeviceGetPciInfo(self, handle: FakeHandle) -> Any:
         gpu = self._gpu(handle)
@@ -589,7 +597,7 @@ class FakeNvml:
     def nvmlDeviceGetClockInfo(self, handle: FakeHandle, type: int) -> int:
         gpu = self._whole(handle)
         if type not in gpu.clocks_mhz:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # what driver 580 answers for an unknown clock type
         return gpu.clocks_mhz[type]
 
     def nvmlDeviceGetTotalEccErrors(self, handle: FakeHandle, errorType: int, counterType: int) -> int:
