@@ -23,6 +23,7 @@ from kxpu.daemon.resource import BackendFactory, DraFactory, Phase, ResourceRunn
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.fswatch import directory_changes
 from kxpu.logs import error_text, get_logger, log_failure
+from kxpu.timeouts import wait_event
 
 if TYPE_CHECKING:
     from kxpu.daemon.telemetry import ExceededHandler, SourceView, TelemetrySampler
@@ -154,8 +155,7 @@ class Daemon:
                 http.stop()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(workers.idle.wait(), WORKER_GRACE_SECONDS)
+        await wait_event(workers.idle, WORKER_GRACE_SECONDS)
         self.stuck_calls = workers.in_flight
         if self.stuck_calls:
             log.error(
