@@ -84,14 +84,23 @@ PROFILES = {
         AmdProfile("mi300x-8x-spx", MI300X, ("spx_nps1",) * 8, (0,) * 4 + (1,) * 4, True),
         AmdProfile("mi300x-8x-cpx", MI300X, ("cpx_nps4",) * 8, (0,) * 4 + (1,) * 4, True),
         AmdProfile(
-            "mi210-4x-xgmi", MI210, ("",) * 4, (0, 0, 1, 1), False,
-            pcie_pairs=((0, 2), (1, 3)), xgmi_pairs=((0, 1), (2, 3)),
-        ),  # fmt: skip
+            "mi210-4x-xgmi",
+            MI210,
+            ("",) * 4,
+            (0, 0, 1, 1),
+            False,
+            pcie_pairs=((0, 2), (1, 3)),
+            xgmi_pairs=((0, 1), (2, 3)),
+        ),
         AmdProfile("mixed-partitions", MI300X, ("cpx_nps4",) * 2 + ("spx_nps1",) * 2, (0, 0, 1, 1), True),
         AmdProfile(
-            "hygon-dcu-8x", DCU_Z100, ("",) * 8, (0,) * 4 + (1,) * 4, False,
+            "hygon-dcu-8x",
+            DCU_Z100,
+            ("",) * 8,
+            (0,) * 4 + (1,) * 4,
+            False,
             pcie_pairs=tuple((a, b) for a in range(8) for b in range(a + 1, 8)),
-        ),  # fmt: skip
+        ),
         AmdProfile("no-driver", None, (), (0,), False),
     )
 }
@@ -153,7 +162,9 @@ class FakeAmd:
         return 0x4F2A_1C00_0000_0000 | (g + 1) * 0x1_0001_0203
 
     def serial(self, g: int) -> str:
-        return f"T8R13800{0x130616 + g:06X}" if self.model.vendor == 0x1D94 else f"PCB0{BUSES[g]:02X}9A{g:02d}"
+        return (
+            f"T8R13800{0x130616 + g:06X}" if self.model.vendor == 0x1D94 else f"PCB0{BUSES[g]:02X}9A{g:02d}"
+        )
 
     def device_ids(self) -> list[str]:
         """The IDs AMD's plugin would list now, in its order (GPU, then its live partitions)."""
@@ -206,7 +217,9 @@ class FakeAmd:
         for block in RAS_BLOCKS if m.vendor == 0x1002 else ("umc",):
             ue = self.ras.get(f"{g}/{block}", 0)
             f.write_attribute(f"{base}/ras/{block}_err_count", f"ue: {ue}\nce: 0")
-        f.symlink(f"/sys/bus/pci/drivers/amdgpu/{self.bdf(g)}", f"../../../../devices/pci0000:00/{self.bdf(g)}")
+        f.symlink(
+            f"/sys/bus/pci/drivers/amdgpu/{self.bdf(g)}", f"../../../../devices/pci0000:00/{self.bdf(g)}"
+        )
         f.symlink(f"{base}/driver", "../../../bus/pci/drivers/amdgpu")
         self._drm(f"{base}/drm", g, 0, device_link="../..")
         f.symlink(f"/sys/bus/pci/devices/{self.bdf(g)}", f"../../../devices/pci0000:00/{self.bdf(g)}")
@@ -362,7 +375,13 @@ class FakeAmd:
     def unload_driver(self) -> None:
         """``modprobe -r amdgpu``: the module, its sysfs, KFD and every node go away."""
         f = self.fake
-        for path in ("/sys/module/amdgpu", "/sys/bus/pci/drivers/amdgpu", "/sys/class/kfd", "/dev/kfd", "/dev/mkfd"):
+        for path in (
+            "/sys/module/amdgpu",
+            "/sys/bus/pci/drivers/amdgpu",
+            "/sys/class/kfd",
+            "/dev/kfd",
+            "/dev/mkfd",
+        ):
             f.remove(path)
         for name in os.listdir(f.path("/dev/dri")) if f.path("/dev/dri").is_dir() else []:
             f.remove(f"/dev/dri/{name}")
@@ -409,7 +428,9 @@ def main(argv: list[str]) -> int:
     try:
         if len(argv) == 3 and argv[0] == "write":
             fake = FakeAmd(argv[1], Path(argv[2]))
-            print(f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_AMD={fake.root}")
+            print(
+                f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_AMD={fake.root}"
+            )
             return 0
         if len(argv) >= 3 and argv[0] == "change":
             fake = FakeAmd.open(Path(argv[1]))

@@ -243,7 +243,10 @@ class AmdBackend(Backend):
                 return f"no-{node.rsplit('/', 1)[1]}"
         if unit.card is None or unit.render is None:
             return "no-drm-device"
-        if not (self.host.exists(f"/dev/dri/card{unit.card}") and self.host.exists(f"/dev/dri/renderD{unit.render}")):
+        if not (
+            self.host.exists(f"/dev/dri/card{unit.card}")
+            and self.host.exists(f"/dev/dri/renderD{unit.render}")
+        ):
             return "no-device-node"
         if unit.kfd is None:
             return "no-kfd-node"
@@ -304,7 +307,10 @@ class AmdBackend(Backend):
                 continue
             if reason:
                 log.warning(
-                    f"{self.what} unhealthy", device=device.id, reason=reason, error=errors.get(device.pci_bus_id or "")
+                    f"{self.what} unhealthy",
+                    device=device.id,
+                    reason=reason,
+                    error=errors.get(device.pci_bus_id or ""),
                 )
             elif device.id in before:
                 log.info(f"{self.what} healthy again", device=device.id)
@@ -426,7 +432,9 @@ class HygonBackend(AmdBackend):
     beta_prefix = "beta.dcu/gpu."
 
     def device_id(self, unit: Unit) -> str:
-        serial = unit.gpu.serial or (f"{unit.kfd.unique_id:016X}" if unit.kfd and unit.kfd.unique_id else None)
+        serial = unit.gpu.serial or (
+            f"{unit.kfd.unique_id:016X}" if unit.kfd and unit.kfd.unique_id else None
+        )
         return f"DCU-{serial}" if serial else unit.id
 
     def allocate(self, devices: Sequence[Device]) -> ContainerEdits:

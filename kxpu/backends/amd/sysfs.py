@@ -293,6 +293,4 @@ class AmdReader:
         for gpu in snap.gpus:
             units = sorted(per_gpu[gpu.bdf], key=lambda u: (u.xcp is not None, u.render or 0))
             for i, unit in enumerate(units):
-                snap.units.append(
-                    Unit(unit.id, unit.gpu, unit.card, unit.render, unit.kfd, i, unit.xcp)
-                )
+                snap.units.append(Unit(unit.id, unit.gpu, unit.card, unit.render, unit.kfd, i, unit.xcp))
