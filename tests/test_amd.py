@@ -559,3 +559,50 @@ async def test_daemon_registers_64_cpx_partitions_and_follows_a_repartition(
     fake.repartition("spx_nps1")
     await kubelet.wait_devices(GPU, lambda d: len(d) == 8 and d[fake.bdf(7)] == "Unhealthy")
     assert daemon.process.returncode is None  # the same daemon, no restart
+
+
+# ---------------------------------------------------------------------------------------------- sharing
+
+
+async def test_hygon_dcus_share_under_hamis_names(machines: Callable[[str], FakeAmd]) -> None:
+    """kxpu's fractional sharing over DCUs under HAMi's names: the extender places a pod asking
+    dcunum/dcumem/dcucores; its container gets the DCU's nodes, /opt/hyhal and the limit variables."""
+    from kxpu.sharing import inventory as inv
+    from kxpu.sharing import signing
+    from kxpu.sharing.config import SharingConfig
+    from kxpu.sharing.node import SharingBackend, parent_id
+    from kxpu.sharing.requests import ResourceFamily
+    from kxpu.sharing.scheduler import Scheduler
+    from kxpu.sharing.state import ClusterState
+    from kxpu.testing.sharing import FakeCluster, pod
+
+    dcunum, dcumem, dcucores = "hygon.com/dcunum", "hygon.com/dcumem", "hygon.com/dcucores"
+    family = ResourceFamily.derived(dcunum, memory=dcumem, cores=dcucores)
+    fake = machines("hygon-dcu-8x")
+    cluster = FakeCluster()
+    link = cluster.link("node-a")
+    config = SharingConfig.model_validate({"signingKey": {"file": "/dev/null"}, "splitCount": 4})
+    shared = SharingBackend(hygon(fake), dcunum, config, lambda: link, "node-a")
+    slots = shared.discover()
+    assert len(slots) == 32 and slots[5].id == f"DCU-{fake.serial(1)}::1" and slots[5].memory_mib == 32768
+    state = ClusterState([dcunum])
+    state.set_node("node-a", {inv.annotation_key(dcunum): inv.encode(shared.inventory())})
+    scheduler = Scheduler(state, [family], keys=lambda: cluster.keyring, api=cluster)
+    cluster.add_pod(pod("infer", [{dcunum: 1, dcumem: 8192, dcucores: 30}]))
+    uid = cluster.pods[("default", "infer")]["metadata"]["uid"]
+    assert await scheduler.bind("default", "infer", uid, "node-a") == ""
+    annotations = cluster.pods[("default", "infer")]["metadata"]["annotations"]
+    (grant,) = signing.decode_assignment(annotations[signing.ASSIGNMENT_ANNOTATION]).containers[0].devices
+    chosen = await shared.preferred_allocation_async(slots, [], 1)
+    assert [parent_id(i) for i in chosen] == [grant.device]
+    edits = await shared.allocate_async([d for d in slots if d.id == chosen[0]])
+    g = next(i for i in range(8) if f"DCU-{fake.serial(i)}" == grant.device)
+    assert [n.container_path for n in edits.device_nodes] == [
+        "/dev/kfd",
+        "/dev/mkfd",
+        f"/dev/dri/card{fake.card(g)}",
+        f"/dev/dri/renderD{fake.render(g)}",
+    ]
+    assert [m.container_path for m in edits.mounts] == ["/opt/hyhal"]
+    assert edits.env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "8192m" and edits.env["CUDA_DEVICE_SM_LIMIT"] == "30"
+    await shared.settled()
