@@ -606,3 +606,15 @@ async def test_hygon_dcus_share_under_hamis_names(machines: Callable[[str], Fake
     assert [m.container_path for m in edits.mounts] == ["/opt/hyhal"]
     assert edits.env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "8192m" and edits.env["CUDA_DEVICE_SM_LIMIT"] == "30"
     await shared.settled()
+
+
+@pytest.mark.parametrize("args", [["--fake", "mixed-partitions"], ["--hygon", "--fake", "hygon-dcu-8x"]])
+def test_the_hardware_check_script_passes_over_a_fake_machine(args: list[str]) -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "hack" / "amd-check"), *args, "--timeout", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "amd-check: everything matches" in run.stdout
