@@ -426,9 +426,8 @@ async def test_driver_unload_and_reload(machines: Callable[[str], FakeAmd]) -> N
 
 
 async def test_a_node_with_no_driver_starts_serving_when_it_loads(machines: Callable[[str], FakeAmd]) -> None:
-    fake = machines("no-driver")
-    fake.profile = PROFILES["mi210-4x-xgmi"]  # the machine has GPUs; the driver is not loaded yet
-    fake.modes, fake.present = list(fake.profile.modes), set(range(4))
+    fake = machines("mi210-4x-xgmi")
+    fake.unload_driver()  # the machine has GPUs; the driver is not loaded yet
     stream = amd(fake, pollSeconds=0.2).watch()
     assert await next_list(stream) == []
     fake.load_driver()
@@ -618,3 +617,21 @@ def test_the_hardware_check_script_passes_over_a_fake_machine(args: list[str]) -
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "amd-check: everything matches" in run.stdout
+
+
+async def test_daemon_on_a_node_without_the_driver_serves_once_it_loads(
+    kubelet: KubeletStandIn,
+    write_config: Callable[..., Path],
+    daemons: Callable[..., Any],
+    machines: Callable[[str], FakeAmd],
+) -> None:
+    fake = machines("mi210-4x-xgmi")
+    fake.unload_driver()
+    config = write_config([{"name": GPU, "amd": {"hostRoot": str(fake.root), "pollSeconds": 0.2}}])
+    daemon = await daemons(config)
+    view = await kubelet.wait_registered(GPU)
+    assert view.devices == {}
+    fake.load_driver()
+    await kubelet.wait_devices(GPU, lambda d: len(d) == 4 and set(d.values()) == {"Healthy"})
+    log = daemon.log_text()
+    assert log.count("amdgpu driver not loaded") == 1 and "Traceback" not in log

@@ -352,7 +352,9 @@ class AmdBackend(Backend):
         """AMD's best-effort policy: partitions of one GPU, then XGMI over PCIe, then one NUMA node;
         partially used GPUs first."""
         units = {d.id: self._units[d.id] for d in [*available, *must_include] if d.id in self._units}
-        kfd_nodes = tuple(sorted(u.kfd.index for u in units.values() if u.kfd))
+        kfd_nodes = tuple(
+            sorted(u.kfd.index for u in self._units.values() if u.kfd)
+        )  # all: one read per topology
         if self._links is None or self._links[0] != kfd_nodes:
             self._links = (kfd_nodes, self.reader.links(list(kfd_nodes)))
         total = {u.gpu.bdf: 0 for u in self._units.values()}
