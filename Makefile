@@ -47,6 +47,7 @@ bench: dev
 	$(BIN)/python bench/bench_daemon.py
 	$(BIN)/python bench/bench_nvidia.py
 	$(BIN)/python bench/bench_telemetry.py
+	$(BIN)/python bench/bench_amd.py
 
 ## Regenerate kxpu/api from its .proto files (committed; `lint` checks they are current).
 proto: dev

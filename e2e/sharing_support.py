@@ -180,10 +180,19 @@ class Sharing:
         inventory_stale_s: float = 120,
         client_qps: int = 50,
         log_level: str = "debug",
+        resource: Mapping[str, Any] | None = None,
+        family: Mapping[str, Any] | None = None,
+        slots: int = DEVICES * SPLIT,
     ) -> None:
         """``node_policy``, ``inventory_stale_s``, ``client_qps`` (kube-scheduler's), ``log_level`` (kxpu's) are
-        for the benchmark."""
+        for the benchmark. ``resource`` (the node daemon's resource entry, its ``sharing.signingKey`` filled
+        in), ``family`` (the control plane's) and ``slots`` (what the node then advertises) share another
+        backend than the simulated NPUs (a vendor's e2e)."""
         self.cluster, self.work = cluster, work
+        self.resource = dict(resource) if resource is not None else None
+        self.family = dict(family) if family is not None else {"resource": RES}
+        self.res: str = self.family["resource"]
+        self.slots = slots
         self.node_policy, self.inventory_stale_s, self.client_qps = node_policy, inventory_stale_s, client_qps
         self.log_level = log_level
         self.key = secrets.token_urlsafe(48).encode()
@@ -271,10 +280,14 @@ class Sharing:
 
     def _write_configs(self) -> None:
         key_ref = {"secret": f"{NS}/keys"}
+        custom = None
+        if self.resource is not None:
+            custom = {**self.resource, "sharing": {"signingKey": key_ref, **self.resource.get("sharing", {})}}
         node = {
             "version": "v1",
             "resources": [
-                {
+                custom
+                or {
                     "name": RES,
                     "simulated": {"count": DEVICES, "model": "snpu", "memoryMiB": MEMORY_MIB, "cores": 64},
                     "sharing": {
@@ -289,7 +302,7 @@ class Sharing:
         }
         control_plane = {
             "version": "v1",
-            "families": [{"resource": RES}],
+            "families": [self.family],
             "schedulerName": SCHEDULER,
             "nodePolicy": self.node_policy,
             "devicePolicy": "binpack",
@@ -299,9 +312,11 @@ class Sharing:
             "lockHardExpirySeconds": LOCK_HARD_EXPIRY_S,
             "trustedUsers": TRUSTED_USERS,
         }
-        managed = [{"name": RES, "ignoredByScheduler": False}] + [
-            {"name": RES + suffix, "ignoredByScheduler": True}
-            for suffix in ("mem", "mem-percentage", "cores")
+        companions = [self.family[k] for k in ("memory", "memoryPercentage", "cores") if self.family.get(k)]
+        if self.resource is None:
+            companions = [RES + suffix for suffix in ("mem", "mem-percentage", "cores")]
+        managed = [{"name": self.res, "ignoredByScheduler": False}] + [
+            {"name": name, "ignoredByScheduler": True} for name in companions
         ]
         scheduler = {
             "apiVersion": "kubescheduler.config.k8s.io/v1",
@@ -404,7 +419,7 @@ class Sharing:
             lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz", insecure),
             60,
         )
-        probe = self.pod("webhook-probe", {MEM: 100})
+        probe = self.pod("webhook-probe", {self.family.get("memory") or MEM: 100})
         kube.wait_until("the webhook admitting a dry-run pod", lambda: self._dry_run(probe), 60)
 
     def _kubectl_delete_namespace(self, ns: str, check: bool = True) -> None:
@@ -416,10 +431,10 @@ class Sharing:
 
     def wait_node_ready(self) -> None:
         """The daemon registered its slots and published the inventory the extender reads."""
-        kube.wait_resource(self.cluster, RES, allocatable=DEVICES * SPLIT, timeout=60)
+        kube.wait_resource(self.cluster, self.res, allocatable=self.slots, timeout=60)
         kube.wait_until(
             "the inventory annotation on the node",
-            lambda: annotation_key(RES) in self.node_annotations(),
+            lambda: annotation_key(self.res) in self.node_annotations(),
             60,
         )
 
@@ -506,10 +521,17 @@ class Sharing:
             self._kubectl_delete_namespace(ns, check=False)
         for proc in reversed(self.procs):
             proc.stop()
-        k("annotate", "node", NODE_NAME, f"{annotation_key(RES)}-", f"{lock_key(RES)}-", check=False)
+        k(
+            "annotate",
+            "node",
+            NODE_NAME,
+            f"{annotation_key(self.res)}-",
+            f"{lock_key(self.res)}-",
+            check=False,
+        )
         k("label", "node", NODE_NAME, "kxpu.io/sharing-", check=False)
         # the next scenario (any file) must not see this daemon's slots as still allocatable
-        kube.wait_resource(self.cluster, RES, allocatable=0, timeout=60)
+        kube.wait_resource(self.cluster, self.res, allocatable=0, timeout=60)
 
     # -- pods -------------------------------------------------------------------------------------------------
     def tenant(self, *args: str, input: str | None = None, check: bool = True) -> str:

@@ -99,6 +99,8 @@ _LAZY_BUILTINS = {
     "cambricon": "kxpu.backends.cambricon",
     "ascend": "kxpu.backends.ascend",
     "gaudi": "kxpu.backends.gaudi",
+    "amd": "kxpu.backends.amd",
+    "hygon": "kxpu.backends.amd",
 }
 
 
