@@ -178,8 +178,8 @@ class MigMaker:
         hint = ""
         if is_code(self.nvml, exc, "NVML_ERROR_INSUFFICIENT_RESOURCES"):
             hint = (
-                ": the placement overlaps a MIG instance that exists already (one made outside kxpu? "
-                "nvidia-smi mig -lgi lists them)"
+                ": no room for it on the GPU, a MIG instance that exists already overlaps it or holds the "
+                "engines it needs (one made outside kxpu? nvidia-smi mig -lgi lists them)"
             )
         elif is_code(self.nvml, exc, "NVML_ERROR_NO_PERMISSION"):
             hint = " (kxpu must run as root to create MIG instances)"
