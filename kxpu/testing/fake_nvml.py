@@ -122,6 +122,9 @@ MIG_PROFILES_A100_80GB: tuple[MigGiProfile, ...] = (
     _gip("4_SLICE", 5, "MIG 4g.40gb", 4, 1, 56, 4, 2, 0, 0, 0, 40192, (0,), 4),
     _gip("7_SLICE", 0, "MIG 7g.80gb", 7, 1, 98, 7, 5, 0, 1, 1, 80896, (0,), 8),
 )
+# Driver 580 knows GPU instance profile indexes up to 2_SLICE_ALL_ME (0x10): it answers INVALID_ARGUMENT for
+# 3_SLICE_GFX (0x11), which the binding names, and NOT_SUPPORTED for the ones the GPU lacks (seen on an H100).
+DRIVER_GI_PROFILE_COUNT = 0x11
 # Compute instance profile index (NVML_COMPUTE_INSTANCE_PROFILE_*) → compute slices; the ID equals the index.
 CI_PROFILE_SLICES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7, 5: 8, 6: 6}
 
@@ -703,8 +706,8 @@ class FakeNvml:
         gpu = self._mig_gpu(device)
         if version not in (1, 2):
             raise _err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)  # what the binding raises itself
-        if not 0 <= profile < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not 0 <= profile < DRIVER_GI_PROFILE_COUNT:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # a profile index newer than the driver
         found = next((p for p in gpu.mig_profiles if p.index == profile), None)
         if found is None:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a profile this GPU does not have
@@ -747,11 +750,11 @@ class FakeNvml:
         return int(pynvml.NVML_SUCCESS)
 
     def nvmlDeviceGetGpuInstanceRemainingCapacity(self, device: FakeHandle, profileId: int) -> int:
-        gpu = self._mig_gpu(device)
-        if not gpu.mig_enabled:
-            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpu = self._mig_gpu(device)  # answers with MIG off too (the driver does: every placement is free)
         profile = self._gi_profile(gpu, profileId)
-        return sum(1 for start in profile.starts if self._gi_refusal(gpu, profile, start) is None)
+        made = sum(1 for gi in gpu.gpu_instances.values() if gi.profile.id == profile.id)
+        free = sum(1 for start in profile.starts if self._gi_refusal(gpu, profile, start) is None)
+        return min(profile.instances - made, free)
 
     def _gi_refusal(self, gpu: FakeGpu, profile: MigGiProfile, start: int) -> int | None:
         """Why the driver would refuse a GPU instance of ``profile`` at ``start`` now (an NVML error code)."""
@@ -813,11 +816,9 @@ class FakeNvml:
 
     def nvmlDeviceGetGpuInstanceById(self, device: FakeHandle, gpuInstanceId: int) -> FakeGpuInstance:
         gpu = self._mig_gpu(device)
-        if not gpu.mig_enabled:
-            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         gi = gpu.gpu_instances.get(int(gpuInstanceId))
         if gi is None:
-            raise _err(pynvml.NVML_ERROR_NOT_FOUND)
+            raise _err(pynvml.NVML_ERROR_NOT_FOUND)  # with MIG off too, as driver 580 answers
         return gi
 
     def nvmlGpuInstanceGetInfo(self, gpuInstance: FakeGpuInstance) -> FakeInstanceInfo:
