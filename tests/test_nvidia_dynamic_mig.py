@@ -93,6 +93,12 @@ def test_every_placement_is_published_with_the_gpus_counters(h100: tuple[NvidiaB
     assert entry["consumesCounters"][0]["counterSet"] == "gpu-0-counter-set"
 
 
+def test_labels_count_gpus_not_placements(h100: tuple[NvidiaBackend, FakeNvml]) -> None:
+    labels = h100[0].node_labels()
+    assert labels["nvidia.com/gpu.count"] == "3" and labels["nvidia.com/gpu.memory"] == "81559"
+    assert labels["nvidia.com/mig.strategy"] == "dynamic"
+
+
 def test_a100_profiles_as_the_driver_names_them() -> None:
     backend, _ = make("a100-mig-dynamic", migStrategy="dynamic")
     try:
@@ -151,6 +157,25 @@ def test_release_leaves_an_instance_that_is_not_its_own(h100: tuple[NvidiaBacken
     backend.release([handle])
     (left,) = fake.mig_state()
     assert left["cis"][0]["uuid"] != handle["uuid"]
+
+
+def test_an_instance_left_by_a_restart_is_taken_over(h100: tuple[NvidiaBackend, FakeNvml]) -> None:
+    """kxpu made the MIG device, then died before recording the claim: the kubelet's next prepare finds it."""
+    backend, fake = h100
+    gpu = fake.nvmlDeviceGetHandleByIndex(0)
+    left = fake.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, 14, pynvml.c_nvmlGpuInstancePlacement_t(2, 2))
+    fake.nvmlGpuInstanceCreateComputeInstance(left, 1)
+    ((device, handle),) = backend.realize([by_id(backend)["gpu-0-mig-2g20gb-14-2"]])
+    (gi,) = fake.mig_state()
+    assert device.uuid == gi["cis"][0]["uuid"] and handle["gpuInstance"] == gi["gi"]
+    backend.release([handle])
+    # Only the GPU instance was made: its compute instance is made now.
+    fake.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, 9, pynvml.c_nvmlGpuInstancePlacement_t(4, 4))
+    ((device, handle),) = backend.realize([by_id(backend)["gpu-0-mig-3g40gb-9-4"]])
+    assert [len(g["cis"]) for g in fake.mig_state()] == [1]
+    # A different profile at overlapping slices is not kxpu's to take.
+    with pytest.raises(BackendError, match="no room for it on the GPU"):
+        backend.realize([by_id(backend)["gpu-0-mig-1g10gb-19-5"]])
 
 
 def test_an_overlapping_instance_made_outside_kxpu_is_a_clear_error(

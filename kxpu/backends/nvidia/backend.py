@@ -749,8 +749,15 @@ class NvidiaBackend(Backend):
     # ------------------------------------------------------------------ labels
     def node_labels(self) -> dict[str, str]:
         """GPU Feature Discovery-style labels for what this resource serves."""
+        devices = self.discover()
+        if self.placements:  # label the GPUs, not their possible partitions
+            gpus = {p.gpu.uuid: p.gpu for p in self.placements}
+            devices = [d for d in devices if not d.consumes] + [
+                self._device(Unit(g.uuid, g.uuid, g), None) for g in gpus.values()
+            ]
+            devices.sort(key=lambda d: d.index if d.index is not None else -1)
         return gpu_labels(
-            self.discover(),
+            devices,
             driver_version=self.inventory.driver_version,
             cuda_driver_version=self.inventory.cuda_driver_version,
             mig_strategy=self.config.mig_strategy,

@@ -34,6 +34,7 @@ log = get_logger("kxpu.backends.nvidia")
 
 # The full compute instance of a GPU instance of N compute slices (NVML_COMPUTE_INSTANCE_PROFILE_*).
 _CI_PROFILE_FOR_SLICES = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4, 8: 0x5, 6: 0x6}
+_MAX_GPU_INSTANCE_ID = 32  # GPU instance IDs are small (0-14 on 8-slice GPUs)
 _NOT_LABEL = re.compile(r"[^a-z0-9]+")
 # Engines a placement draws from its GPU's counter set besides memory slices: counter → profile info field.
 ENGINE_COUNTERS = {
@@ -191,10 +192,14 @@ class MigMaker:
         nvml = self.nvml
         placement = nvml.c_nvmlGpuInstancePlacement_t(p.start, p.size)
         what = f"create GPU instance {p.profile.name} at memory slice {p.start}"
+        adopted: tuple[Any, Any] | None = None
         try:
             gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(p.gpu.handle, p.profile.id, placement)
         except nvml.NVMLError as exc:
-            raise self._fail(p, what, exc) from None
+            adopted = self._left_over(p) if is_code(nvml, exc, "NVML_ERROR_INSUFFICIENT_RESOURCES") else None
+            if adopted is None:
+                raise self._fail(p, what, exc) from None
+            gi = adopted[0]
         ci = None
         try:
             gi_id = int(nvml.nvmlGpuInstanceGetInfo(gi).id)
@@ -202,7 +207,9 @@ class MigMaker:
                 gi, _CI_PROFILE_FOR_SLICES[p.profile.slices], nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
             )
             what = f"create its compute instance (GPU instance {gi_id})"
-            ci = nvml.nvmlGpuInstanceCreateComputeInstance(gi, int(ci_profile.id))
+            ci = adopted[1] if adopted is not None and adopted[1] is not None else None
+            if ci is None:
+                ci = nvml.nvmlGpuInstanceCreateComputeInstance(gi, int(ci_profile.id))
             ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
             what = f"find the MIG device of GPU instance {gi_id}, compute instance {ci_id}"
             mig = self.find(p.gpu, gi_id, ci_id)
@@ -229,6 +236,36 @@ class MigMaker:
         }
         log.info("MIG device created", device=p.id, uuid=mig.uuid, gi=gi_id, ci=ci_id)
         return mig, handle
+
+    def _left_over(self, p: Placement) -> tuple[Any, Any] | None:
+        """A GPU instance of exactly this profile and placement that exists already, with no compute instance or
+        one over all of it: what a restart between creating it and recording the claim leaves; taken over rather
+        than refusing the claim for ever. None when there is none (something else holds the memory slices)."""
+        nvml = self.nvml
+        for gi_id in range(_MAX_GPU_INSTANCE_ID):
+            try:
+                gi = nvml.nvmlDeviceGetGpuInstanceById(p.gpu.handle, gi_id)
+                info = nvml.nvmlGpuInstanceGetInfo(gi)
+            except nvml.NVMLError:
+                continue
+            if int(info.profileId) != p.profile.id or int(info.placement.start) != p.start:
+                continue
+            cis = []
+            for ci_id in range(p.profile.slices):
+                try:
+                    cis.append(nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id))
+                except nvml.NVMLError:
+                    continue
+            full = _CI_PROFILE_FOR_SLICES.get(p.profile.slices)
+            if not cis or (len(cis) == 1 and int(nvml.nvmlComputeInstanceGetInfo(cis[0]).profileId) == full):
+                log.warning(
+                    "taking over a MIG instance left at this placement (kxpu restarted before recording its claim?)",
+                    device=p.id,
+                    gi=gi_id,
+                )
+                return gi, (cis[0] if cis else None)
+            return None
+        return None
 
     def _undo(self, p: Placement, gi: Any, ci: Any) -> None:
         for destroy, instance in (
