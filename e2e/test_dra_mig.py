@@ -94,7 +94,9 @@ def test_mig_partitions_over_the_fake_nvml_never_overlap(e2e: E2E, tmp_path: Pat
         e2e, "mig-1g", [{"name": "gpu", "exactly": dra.exactly(cls, 1, f'{attr}.migProfile == "1g.10gb"')}]
     )
     small = dra.claim_pod(e2e, "mig-small", REPORT, one)
-    reason = kube.wait_until(f"FailedScheduling for {small.name}", partial(unschedulable, e2e, small.name), 60)
+    reason = kube.wait_until(
+        f"FailedScheduling for {small.name}", partial(unschedulable, e2e, small.name), 60
+    )
     assert "cannot allocate all claims" in reason or "resourceclaim" in reason.lower(), reason
     assert kube.get_pod(e2e.cluster, small.name)["status"]["phase"] == "Pending"
     assert len(mig_state()) == 4
