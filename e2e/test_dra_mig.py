@@ -85,9 +85,9 @@ def test_mig_partitions_over_the_fake_nvml_never_overlap(e2e: E2E, tmp_path: Pat
     ]
     # Each pod sees the MIG device made for its placement, a different one each.
     uuid_at = {(g["gpu"], g["start"]): g["cis"][0]["uuid"] for g in state}
-    for pod, device in allocated.items():
+    for name, device in allocated.items():
         gpu, start = int(device.split("-")[1]), int(device.rsplit("-", 1)[1])
-        assert seen[pod] == uuid_at[(gpu, start)], (pod, device, state)
+        assert seen[name] == uuid_at[(gpu, start)], (name, device, state)
 
     # Every memory slice is taken: a 1g.10gb claim would overlap, so the scheduler leaves it Pending.
     one = dra.claim_template(
