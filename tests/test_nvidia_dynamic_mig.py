@@ -4,6 +4,7 @@ fake driver refusing overlaps exactly where the counters do."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,14 +164,18 @@ def test_an_instance_left_by_a_restart_is_taken_over(h100: tuple[NvidiaBackend, 
     """kxpu made the MIG device, then died before recording the claim: the kubelet's next prepare finds it."""
     backend, fake = h100
     gpu = fake.nvmlDeviceGetHandleByIndex(0)
-    left = fake.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, 14, pynvml.c_nvmlGpuInstancePlacement_t(2, 2))
+    left = fake.nvmlDeviceCreateGpuInstanceWithPlacement(
+        gpu, 14, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(2, 2))
+    )
     fake.nvmlGpuInstanceCreateComputeInstance(left, 1)
     ((device, handle),) = backend.realize([by_id(backend)["gpu-0-mig-2g20gb-14-2"]])
     (gi,) = fake.mig_state()
     assert device.uuid == gi["cis"][0]["uuid"] and handle["gpuInstance"] == gi["gi"]
     backend.release([handle])
     # Only the GPU instance was made: its compute instance is made now.
-    fake.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, 9, pynvml.c_nvmlGpuInstancePlacement_t(4, 4))
+    fake.nvmlDeviceCreateGpuInstanceWithPlacement(
+        gpu, 9, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(4, 4))
+    )
     ((device, handle),) = backend.realize([by_id(backend)["gpu-0-mig-3g40gb-9-4"]])
     assert [len(g["cis"]) for g in fake.mig_state()] == [1]
     # A different profile at overlapping slices is not kxpu's to take.
@@ -184,7 +189,7 @@ def test_an_overlapping_instance_made_outside_kxpu_is_a_clear_error(
     backend, fake = h100
     gpu = fake.nvmlDeviceGetHandleByIndex(1)
     fake.nvmlDeviceCreateGpuInstanceWithPlacement(
-        gpu, 14, pynvml.c_nvmlGpuInstancePlacement_t(2, 2)
+        gpu, 14, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(2, 2))
     )  # 2g at 2-3
     with pytest.raises(BackendError) as info:
         backend.realize([by_id(backend)["gpu-1-mig-1g10gb-19-0"], by_id(backend)["gpu-1-mig-4g40gb-5-0"]])

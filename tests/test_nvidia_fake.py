@@ -112,7 +112,12 @@ def test_mig_profiles_and_placements_as_driver_580_answered_on_an_h100_with_mig_
     with pytest.raises(pynvml.NVMLError_NotFound):
         fake.nvmlDeviceGetGpuInstanceById(gpu, 1)
     with pytest.raises(pynvml.NVMLError_NotSupported):  # MIG off: nothing can be created
-        fake.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, 19, pynvml.c_nvmlGpuInstancePlacement_t(0, 1))
+        fake.nvmlDeviceCreateGpuInstanceWithPlacement(
+            gpu, 19, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(0, 1))
+        )
+    mig_on = fake.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # the C function takes the placement by pointer
+        fake.nvmlDeviceCreateGpuInstanceWithPlacement(mig_on, 19, pynvml.c_nvmlGpuInstancePlacement_t(0, 1))
 
 
 def test_mig_handles_answer_like_mig_devices() -> None:

@@ -782,7 +782,12 @@ class FakeNvml:
         if not self.profile.privileged:
             raise _err(pynvml.NVML_ERROR_NO_PERMISSION)
         profile = self._gi_profile(gpu, profileId)
-        start, size = int(placement.start), int(placement.size)
+        # The C function takes ``const nvmlGpuInstancePlacement_t *``, and the binding passes the argument through:
+        # callers pass ``byref(placement)``; a structure by value would be read as a pointer by the driver.
+        if isinstance(placement, ctypes.Structure):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        where = _deref(placement)
+        start, size = int(where.start), int(where.size)
         if size != profile.size:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         self._count("nvmlDeviceCreateGpuInstanceWithPlacement")
@@ -802,7 +807,7 @@ class FakeNvml:
         for start in profile.starts:
             if self._gi_refusal(gpu, profile, start) is None:
                 return self.nvmlDeviceCreateGpuInstanceWithPlacement(
-                    device, profileId, pynvml.c_nvmlGpuInstancePlacement_t(start, profile.size)
+                    device, profileId, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(start, profile.size))
                 )
         if not gpu.mig_enabled:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)

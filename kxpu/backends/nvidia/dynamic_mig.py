@@ -194,7 +194,10 @@ class MigMaker:
         what = f"create GPU instance {p.profile.name} at memory slice {p.start}"
         adopted: tuple[Any, Any] | None = None
         try:
-            gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(p.gpu.handle, p.profile.id, placement)
+            # The C function takes the placement by pointer; the binding passes the argument through as is.
+            gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+                p.gpu.handle, p.profile.id, ctypes.byref(placement)
+            )
         except nvml.NVMLError as exc:
             adopted = self._left_over(p) if is_code(nvml, exc, "NVML_ERROR_INSUFFICIENT_RESOURCES") else None
             if adopted is None:
