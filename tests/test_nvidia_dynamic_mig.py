@@ -20,6 +20,7 @@ from kxpu.config import ConfigError, parse_config
 from kxpu.dra.checkpoint import Checkpoint
 from kxpu.dra.names import device_name
 from kxpu.dra.prepare import Preparer
+from kxpu.dra.publisher import SlicePublisher
 from kxpu.dra.slices import pool_content
 from kxpu.model import BackendError, Device, index_by_id
 from kxpu.testing.dra import FakeDraApi
@@ -80,6 +81,9 @@ def test_every_placement_is_published_with_the_gpus_counters(h100: tuple[NvidiaB
     assert three.memory_mib == 40448 and three.uuid is None
     assert three.extra["migProfile"] == "3g.40gb" and three.extra["placement"] == 4
     assert three.extra["parentUuid"] == fake.gpus[0].uuid
+    # Every device says which it is: a DeviceClass selecting type "mig" keeps a request's migProfile selector
+    # off whole GPUs (which have no migProfile: CEL would fail on them).
+    assert {d.extra["type"] for d in devices} == {"gpu", "mig"} and whole[0].extra["type"] == "gpu"
     media = by_id(backend)["gpu-1-mig-1g10gb-me-20-0"]
     assert media.consumes["gpu-1-counter-set"]["ofa-engines"] == 1  # the GPU's one OFA: one +me at a time
 
@@ -92,6 +96,19 @@ def test_every_placement_is_published_with_the_gpus_counters(h100: tuple[NvidiaB
     entry = next(d for d in entries if d["name"] == "gpu-0-mig-3g40gb-9-4")
     assert entry["attributes"]["migProfile"] == {"string": "3g.40gb"}
     assert entry["consumesCounters"][0]["counterSet"] == "gpu-0-counter-set"
+
+
+async def test_the_pool_with_its_counter_sets_is_published_at_the_first_try(
+    h100: tuple[NvidiaBackend, FakeNvml],
+) -> None:
+    """The publisher counted devices in every slice, and slices of counters have none: a KeyError after writing."""
+    backend, _ = h100
+    api = FakeDraApi({NODE: "node-uid"})
+    publisher = SlicePublisher(api, DRIVER, NODE)
+    assert await publisher.publish(backend.discover(), counter_sets=backend.counter_sets())
+    written = await api.list_slices(DRIVER, NODE)
+    assert sum(len(s["spec"].get("devices") or []) for s in written) == 51
+    assert sum(len(s["spec"].get("sharedCounters") or []) for s in written) == 2
 
 
 def test_labels_count_gpus_not_placements(h100: tuple[NvidiaBackend, FakeNvml]) -> None:

@@ -460,6 +460,10 @@ class NvidiaBackend(Backend):
     def _device(self, unit: Unit, reason: str | None) -> Device:
         gpu, mig = unit.gpu, unit.mig
         extra: dict[str, str | int | bool] = {"migCapable": gpu.mig_capable}
+        if (
+            self.config.mig_strategy == "dynamic"
+        ):  # as NVIDIA's DRA driver: a DeviceClass picks one or the other
+            extra["type"] = "gpu"
         if gpu.compute_capability:
             extra["computeCapability"] = "{}.{}".format(*gpu.compute_capability)
         if gpu.minor is not None:

@@ -154,6 +154,7 @@ def placement_device(p: Placement, base: Device) -> Device:
         memory_mib=p.profile.memory_mib,
         extra={
             **base.extra,
+            "type": "mig",
             "migProfile": p.profile.name,
             "migProfileId": p.profile.id,
             "parentUuid": gpu.uuid,
