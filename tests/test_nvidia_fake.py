@@ -67,6 +67,59 @@ def test_whole_gpu_answers_mig_questions_as_driver_580_did_on_an_h100() -> None:
         fake.nvmlDeviceGetGpuInstanceId(gpu)
 
 
+def test_mig_profiles_and_placements_as_driver_580_answered_on_an_h100_with_mig_off() -> None:
+    """Read on a real H100 80GB HBM3 with MIG off (ctypes against libnvidia-ml, nothing created): every GPU instance
+    profile's info and placements, the codes for profiles it lacks or does not know, and what GetGpuInstanceById
+    and GetGpuInstanceRemainingCapacity answer with no instance."""
+    fake = FakeNvml("h100-mig-dynamic")
+    fake.nvmlInit()
+    gpu = fake.nvmlDeviceGetHandleByIndex(2)  # the H100 with MIG off
+    seen = {}
+    for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT + 1):
+        try:
+            info = fake.nvmlDeviceGetGpuInstanceProfileInfo(gpu, index)
+        except pynvml.NVMLError as exc:
+            seen[index] = exc.value
+            continue
+        assert isinstance(info, pynvml.c_nvmlGpuInstanceProfileInfo_v2_t)
+        count = ctypes.c_uint(0)
+        fake.nvmlDeviceGetGpuInstancePossiblePlacements(gpu, info.id, None, ctypes.byref(count))
+        found = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
+        fake.nvmlDeviceGetGpuInstancePossiblePlacements(gpu, info.id, found, ctypes.byref(count))
+        seen[index] = (
+            info.id,
+            info.name,
+            info.sliceCount,
+            info.instanceCount,
+            (info.multiprocessorCount, info.copyEngineCount, info.decoderCount, info.encoderCount),
+            (info.jpegCount, info.ofaCount, info.memorySizeMB),
+            [(found[n].start, found[n].size) for n in range(count.value)],
+            fake.nvmlDeviceGetGpuInstanceRemainingCapacity(gpu, info.id),
+        )
+    ones = [(n, 1) for n in range(7)]
+    assert seen == {
+        0: (19, "MIG 1g.10gb", 1, 7, (16, 1, 1, 0), (1, 0, 9984), ones, 7),
+        1: (14, "MIG 2g.20gb", 2, 3, (32, 2, 2, 0), (2, 0, 20096), [(0, 2), (2, 2), (4, 2)], 3),
+        2: (9, "MIG 3g.40gb", 3, 2, (60, 3, 3, 0), (3, 0, 40448), [(0, 4), (4, 4)], 2),
+        3: (5, "MIG 4g.40gb", 4, 1, (64, 4, 4, 0), (4, 0, 40448), [(0, 4)], 1),
+        4: (0, "MIG 7g.80gb", 7, 1, (132, 8, 7, 0), (7, 1, 81152), [(0, 8)], 1),
+        7: (20, "MIG 1g.10gb+me", 1, 1, (16, 1, 1, 0), (1, 1, 9984), ones, 1),
+        9: (15, "MIG 1g.20gb", 1, 4, (26, 1, 1, 0), (1, 0, 20096), [(0, 2), (2, 2), (4, 2), (6, 2)], 4),
+        **{i: pynvml.NVML_ERROR_NOT_SUPPORTED for i in (5, 6, 8, 10, 11, 12, 13, 14, 15, 16)},
+        17: pynvml.NVML_ERROR_INVALID_ARGUMENT,  # 3_SLICE_GFX: newer than driver 580
+        18: pynvml.NVML_ERROR_INVALID_ARGUMENT,
+    }
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        fake.nvmlDeviceGetGpuInstanceById(gpu, 1)
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # MIG off: nothing can be created
+        fake.nvmlDeviceCreateGpuInstanceWithPlacement(
+            gpu, 19, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(0, 1))
+        )
+    mig_on = fake.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # the C function takes the placement by pointer
+        fake.nvmlDeviceCreateGpuInstanceWithPlacement(mig_on, 19, pynvml.c_nvmlGpuInstancePlacement_t(0, 1))
+
+
 def test_mig_handles_answer_like_mig_devices() -> None:
     fake = FakeNvml("h100-mig-mixed")
     fake.nvmlInit()

@@ -169,7 +169,7 @@ class SlicePublisher:
             "ResourceSlices published",
             generation=self.generation,
             slices=len(content.slices),
-            devices=sum(len(s["devices"]) for s in content.slices),
+            devices=sum(len(s.get("devices") or ()) for s in content.slices),
         )
         return True
 

@@ -67,6 +67,116 @@ class FakeMig:
     ci_cap_minor: int
 
 
+@dataclass(frozen=True)
+class MigGiProfile:
+    """One GPU instance profile as ``nvmlDeviceGetGpuInstanceProfileInfo`` describes it, with its placements
+    (``nvmlDeviceGetGpuInstancePossiblePlacements``: start memory slice, ``size`` memory slices each)."""
+
+    index: int  # NVML_GPU_INSTANCE_PROFILE_* (what GetGpuInstanceProfileInfo is asked for)
+    id: int  # the profile ID (nvidia-smi mig -lgip's "ID", what instances are created with)
+    name: str  # as the v2 structure names it, e.g. "MIG 1g.10gb"
+    slices: int  # compute slices
+    instances: int  # instanceCount
+    sm: int
+    ce: int
+    dec: int
+    enc: int
+    jpeg: int
+    ofa: int
+    memory_mib: int
+    starts: tuple[int, ...]
+    size: int
+
+
+def _gip(index: str, *fields: Any) -> MigGiProfile:
+    return MigGiProfile(getattr(pynvml, f"NVML_GPU_INSTANCE_PROFILE_{index}"), *fields)
+
+
+# What the driver reports: nvidia-smi mig -lgip / -lgipp on an H100 80GB HBM3 (read on one for this fake), and
+# NVIDIA's MIG user guide for the A100s. Columns: index, ID, name, slices, instances, SM, CE, DEC, ENC, JPEG,
+# OFA, memory MiB (the GiB nvidia-smi prints times 1024), placement starts, memory slices per placement.
+MIG_PROFILES_H100_80GB: tuple[MigGiProfile, ...] = (
+    _gip("1_SLICE", 19, "MIG 1g.10gb", 1, 7, 16, 1, 1, 0, 1, 0, 9984, (0, 1, 2, 3, 4, 5, 6), 1),
+    _gip("1_SLICE_REV1", 20, "MIG 1g.10gb+me", 1, 1, 16, 1, 1, 0, 1, 1, 9984, (0, 1, 2, 3, 4, 5, 6), 1),
+    _gip("1_SLICE_REV2", 15, "MIG 1g.20gb", 1, 4, 26, 1, 1, 0, 1, 0, 20096, (0, 2, 4, 6), 2),
+    _gip("2_SLICE", 14, "MIG 2g.20gb", 2, 3, 32, 2, 2, 0, 2, 0, 20096, (0, 2, 4), 2),
+    _gip("3_SLICE", 9, "MIG 3g.40gb", 3, 2, 60, 3, 3, 0, 3, 0, 40448, (0, 4), 4),
+    _gip("4_SLICE", 5, "MIG 4g.40gb", 4, 1, 64, 4, 4, 0, 4, 0, 40448, (0,), 4),
+    _gip("7_SLICE", 0, "MIG 7g.80gb", 7, 1, 132, 8, 7, 0, 7, 1, 81152, (0,), 8),
+)
+MIG_PROFILES_A100_40GB: tuple[MigGiProfile, ...] = (
+    _gip("1_SLICE", 19, "MIG 1g.5gb", 1, 7, 14, 1, 0, 0, 0, 0, 4864, (0, 1, 2, 3, 4, 5, 6), 1),
+    _gip("1_SLICE_REV1", 20, "MIG 1g.5gb+me", 1, 1, 14, 1, 1, 0, 1, 1, 4864, (0, 1, 2, 3, 4, 5, 6), 1),
+    _gip("1_SLICE_REV2", 15, "MIG 1g.10gb", 1, 4, 14, 1, 1, 0, 0, 0, 9856, (0, 2, 4, 6), 2),
+    _gip("2_SLICE", 14, "MIG 2g.10gb", 2, 3, 28, 2, 1, 0, 0, 0, 9856, (0, 2, 4), 2),
+    _gip("3_SLICE", 9, "MIG 3g.20gb", 3, 2, 42, 3, 2, 0, 0, 0, 19968, (0, 4), 4),
+    _gip("4_SLICE", 5, "MIG 4g.20gb", 4, 1, 56, 4, 2, 0, 0, 0, 19968, (0,), 4),
+    _gip("7_SLICE", 0, "MIG 7g.40gb", 7, 1, 98, 7, 5, 0, 1, 1, 40192, (0,), 8),
+)
+MIG_PROFILES_A100_80GB: tuple[MigGiProfile, ...] = (
+    _gip("1_SLICE", 19, "MIG 1g.10gb", 1, 7, 14, 1, 0, 0, 0, 0, 9728, (0, 1, 2, 3, 4, 5, 6), 1),
+    _gip("1_SLICE_REV1", 20, "MIG 1g.10gb+me", 1, 1, 14, 1, 1, 0, 1, 1, 9728, (0, 1, 2, 3, 4, 5, 6), 1),
+    _gip("1_SLICE_REV2", 15, "MIG 1g.20gb", 1, 4, 14, 1, 1, 0, 0, 0, 19968, (0, 2, 4, 6), 2),
+    _gip("2_SLICE", 14, "MIG 2g.20gb", 2, 3, 28, 2, 1, 0, 0, 0, 19968, (0, 2, 4), 2),
+    _gip("3_SLICE", 9, "MIG 3g.40gb", 3, 2, 42, 3, 2, 0, 0, 0, 40192, (0, 4), 4),
+    _gip("4_SLICE", 5, "MIG 4g.40gb", 4, 1, 56, 4, 2, 0, 0, 0, 40192, (0,), 4),
+    _gip("7_SLICE", 0, "MIG 7g.80gb", 7, 1, 98, 7, 5, 0, 1, 1, 80896, (0,), 8),
+)
+# Driver 580 knows GPU instance profile indexes up to 2_SLICE_ALL_ME (0x10): it answers INVALID_ARGUMENT for
+# 3_SLICE_GFX (0x11), which the binding names, and NOT_SUPPORTED for the ones the GPU lacks (seen on an H100).
+DRIVER_GI_PROFILE_COUNT = 0x11
+# Compute instance profile index (NVML_COMPUTE_INSTANCE_PROFILE_*) → compute slices; the ID equals the index.
+CI_PROFILE_SLICES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7, 5: 8, 6: 6}
+
+
+def gi_swizzle_id(start: int, size: int) -> int:
+    """The GPU instance ID the driver gives a placement (a binary tree over the 8 memory slices, as nvidia-smi
+    mig -lgi shows: the whole GPU 0, halves 1-2, quarters 3-6, eighths 7-14)."""
+    level = {8: 0, 4: 1, 2: 3, 1: 7}[size]
+    return level + start // size
+
+
+@dataclass
+class FakeComputeInstance:
+    """A compute instance handle (``nvmlGpuInstanceCreateComputeInstance``)."""
+
+    gi: FakeGpuInstance
+    id: int
+    profile_id: int
+    slices: int
+    start: int
+    mig: FakeMig
+    destroyed: bool = False
+
+
+@dataclass
+class FakeGpuInstance:
+    """A GPU instance handle (``nvmlDeviceCreateGpuInstanceWithPlacement``)."""
+
+    gpu: int  # GPU index
+    id: int
+    profile: MigGiProfile
+    start: int
+    cis: dict[int, FakeComputeInstance] = field(default_factory=dict)
+    destroyed: bool = False
+
+    @property
+    def memory_slices(self) -> range:
+        return range(self.start, self.start + self.profile.size)
+
+
+@dataclass
+class FakeInstanceInfo:
+    """``c_nvmlGpuInstanceInfo_t`` / ``c_nvmlComputeInstanceInfo_t`` with the same field names; ``device`` (and a
+    compute instance's ``gpuInstance``) are fake handles, which no ctypes structure can hold."""
+
+    device: Any
+    id: int
+    profileId: int
+    placement: Any
+    gpuInstance: Any = None
+
+
 @dataclass
 class FakeProcess:
     """A process with a context on a GPU (``mps``: a client of an MPS server), as NVML lists it."""
@@ -95,6 +205,9 @@ class FakeGpu:
     mig_enabled: bool = False
     migs: list[FakeMig] = field(default_factory=list)
     max_mig_devices: int = 7
+    # Dynamic MIG: the GPU instance profiles the GPU supports, and the instances made through NVML.
+    mig_profiles: tuple[MigGiProfile, ...] = ()
+    gpu_instances: dict[int, FakeGpuInstance] = field(default_factory=dict)
     nvlinks: list[str | None] = field(default_factory=list)  # remote PCI bus id per link; None = down
     lost: bool = False
     # What telemetry reads (settable with set_telemetry / set_processes).
@@ -151,6 +264,7 @@ def profile_a100_8x() -> MachineProfile:
                 pcie_switch=f"sw{i // 2}",
                 host_bridge=f"hb{numa}",
                 mig_capable=True,
+                mig_profiles=MIG_PROFILES_A100_80GB,
                 nvlinks=[switches[link // 2] for link in range(12)],
             )
         )
@@ -198,6 +312,7 @@ def _h100(i: int, migs: list[tuple[int, int, int]] | None, tag: str) -> FakeGpu:
         host_bridge=f"hb{i % 2}",
         mig_capable=True,
         mig_enabled=migs is not None,
+        mig_profiles=MIG_PROFILES_H100_80GB,
     )
     for j, (g, c, mem) in enumerate(migs or []):
         gi = j + 1
@@ -238,6 +353,42 @@ def profile_h100_mig_empty() -> MachineProfile:
     return MachineProfile("h100-mig-empty", [_h100(0, [], "empty")])
 
 
+def profile_h100_mig_dynamic() -> MachineProfile:
+    """Three H100s: GPUs 0 and 1 in MIG mode with no instance yet (for dynamic MIG), GPU 2 with MIG off."""
+    gpus = [_h100(0, [], "dynamic"), _h100(1, [], "dynamic"), _h100(2, None, "dynamic")]
+    for gpu in gpus:
+        gpu.mig_profiles = MIG_PROFILES_H100_80GB
+    return MachineProfile("h100-mig-dynamic", gpus, driver_version="580.95.05", cuda_driver_version=13000)
+
+
+def profile_a100_mig_dynamic() -> MachineProfile:
+    """An A100-SXM4-40GB and an A100-SXM4-80GB, both in MIG mode with no instance yet (for dynamic MIG)."""
+    gpus = []
+    for i, (name, memory, profiles) in enumerate(
+        [
+            ("NVIDIA A100-SXM4-40GB", 40960, MIG_PROFILES_A100_40GB),
+            ("NVIDIA A100-SXM4-80GB", 81920, MIG_PROFILES_A100_80GB),
+        ]
+    ):
+        gpus.append(
+            FakeGpu(
+                name=name,
+                uuid=_uuid("GPU", "a100-dynamic", i),
+                memory_mib=memory,
+                bus_id=_bus(0x07 + 0x40 * i),
+                minor=i,
+                numa_node=0,
+                cuda_cc=(8, 0),
+                pcie_switch=f"sw{i}",
+                host_bridge="hb0",
+                mig_capable=True,
+                mig_enabled=True,
+                mig_profiles=profiles,
+            )
+        )
+    return MachineProfile("a100-mig-dynamic", gpus)
+
+
 def profile_a100_lost() -> MachineProfile:
     """Two PCIe A100s; GPU 1 has fallen off the bus (only its handle and UUID still answer)."""
     gpus = [
@@ -252,6 +403,7 @@ def profile_a100_lost() -> MachineProfile:
             pcie_switch=f"sw{i}",
             host_bridge=f"hb{i}",
             mig_capable=True,
+            mig_profiles=MIG_PROFILES_A100_40GB,
         )
         for i in range(2)
     ]
@@ -269,6 +421,8 @@ PROFILES: dict[str, Callable[[], MachineProfile]] = {
     "h100-mig-mixed": profile_h100_mig_mixed,
     "h100-mig-single": profile_h100_mig_single,
     "h100-mig-empty": profile_h100_mig_empty,
+    "h100-mig-dynamic": profile_h100_mig_dynamic,
+    "a100-mig-dynamic": profile_a100_mig_dynamic,
     "a100-lost": profile_a100_lost,
     "no-driver": profile_no_driver,
 }
@@ -317,6 +471,16 @@ class FakeEventSet:
 
 def _err(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
+
+
+def _deref(ref: Any) -> Any:
+    """The ctypes object behind ``ctypes.byref(x)`` or ``ctypes.pointer(x)``, as the C library writes through it."""
+    if isinstance(ref, ctypes._Pointer):
+        return ref.contents
+    obj = getattr(ref, "_obj", None)
+    if obj is None:
+        raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    return obj
 
 
 class FakeNvml:
@@ -523,6 +687,298 @@ class FakeNvml:
             computeInstanceSliceCount=mig.ci_slices,
             memorySizeMB=mig.memory_mib,
         )
+
+    # ------------------------------------------------------------------ dynamic MIG (GPU and compute instances)
+    def _mig_gpu(self, handle: FakeHandle) -> FakeGpu:
+        """A whole GPU that supports MIG (a MIG device handle or a GPU without MIG: NOT_SUPPORTED)."""
+        gpu = self._gpu(handle)
+        if handle.mig is not None or not gpu.mig_capable or not gpu.mig_profiles:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def _gi_profile(self, gpu: FakeGpu, profile_id: int) -> MigGiProfile:
+        for profile in gpu.mig_profiles:
+            if profile.id == profile_id:
+                return profile
+        raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, device: FakeHandle, profile: int, version: int = 2) -> Any:
+        gpu = self._mig_gpu(device)
+        if version not in (1, 2):
+            raise _err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)  # what the binding raises itself
+        if not 0 <= profile < DRIVER_GI_PROFILE_COUNT:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # a profile index newer than the driver
+        found = next((p for p in gpu.mig_profiles if p.index == profile), None)
+        if found is None:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a profile this GPU does not have
+        info = (
+            pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
+            if version == 2
+            else pynvml.c_nvmlGpuInstanceProfileInfo_t()
+        )
+        info.id = found.id
+        info.isP2pSupported = 0
+        info.sliceCount = found.slices
+        info.instanceCount = found.instances
+        info.multiprocessorCount = found.sm
+        info.copyEngineCount = found.ce
+        info.decoderCount = found.dec
+        info.encoderCount = found.enc
+        info.jpegCount = found.jpeg
+        info.ofaCount = found.ofa
+        info.memorySizeMB = found.memory_mib
+        if version == 2:
+            info.name = found.name.encode()
+        return info
+
+    def nvmlDeviceGetGpuInstancePossiblePlacements(
+        self, device: FakeHandle, profileId: int, placementsRef: Any, countRef: Any
+    ) -> int:
+        """As the C function: ``placementsRef`` None asks for the count; else an array of
+        ``c_nvmlGpuInstancePlacement_t`` long enough (the driver writes past a short one; the fake refuses it
+        with INSUFFICIENT_SIZE). ``countRef``: ``byref``/``pointer`` to a ``c_uint``."""
+        gpu = self._mig_gpu(device)
+        profile = self._gi_profile(gpu, profileId)
+        count = _deref(countRef)
+        if placementsRef is not None:
+            if len(placementsRef) < len(profile.starts):
+                raise _err(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+            for n, start in enumerate(profile.starts):
+                placementsRef[n].start = start
+                placementsRef[n].size = profile.size
+        count.value = len(profile.starts)
+        return int(pynvml.NVML_SUCCESS)
+
+    def nvmlDeviceGetGpuInstanceRemainingCapacity(self, device: FakeHandle, profileId: int) -> int:
+        gpu = self._mig_gpu(device)  # answers with MIG off too (the driver does: every placement is free)
+        profile = self._gi_profile(gpu, profileId)
+        made = sum(1 for gi in gpu.gpu_instances.values() if gi.profile.id == profile.id)
+        free = sum(1 for start in profile.starts if self._gi_refusal(gpu, profile, start) is None)
+        return min(profile.instances - made, free)
+
+    def _gi_refusal(self, gpu: FakeGpu, profile: MigGiProfile, start: int) -> int | None:
+        """Why the driver would refuse a GPU instance of ``profile`` at ``start`` now (an NVML error code)."""
+        if start not in profile.starts:
+            return int(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        wanted = set(range(start, start + profile.size))
+        live = list(gpu.gpu_instances.values())
+        if any(wanted & set(gi.memory_slices) for gi in live):
+            return int(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        if sum(1 for gi in live if gi.profile.id == profile.id) >= profile.instances:
+            return int(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        # Media engines (the +me profiles' OFA/JPEG) and compute slices are shared out of the whole GPU's.
+        whole = max(gpu.mig_profiles, key=lambda p: p.slices)
+        for attr in ("slices", "ofa", "jpeg", "dec", "ce", "sm"):
+            if sum(getattr(gi.profile, attr) for gi in live) + getattr(profile, attr) > getattr(whole, attr):
+                return int(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        return None
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(
+        self, device: FakeHandle, profileId: int, placement: Any
+    ) -> FakeGpuInstance:
+        gpu = self._mig_gpu(device)
+        if not gpu.mig_enabled:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not self.profile.privileged:
+            raise _err(pynvml.NVML_ERROR_NO_PERMISSION)
+        profile = self._gi_profile(gpu, profileId)
+        # The C function takes ``const nvmlGpuInstancePlacement_t *``, and the binding passes the argument through:
+        # callers pass ``byref(placement)``; a structure by value would be read as a pointer by the driver.
+        if isinstance(placement, ctypes.Structure):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        where = _deref(placement)
+        start, size = int(where.start), int(where.size)
+        if size != profile.size:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._count("nvmlDeviceCreateGpuInstanceWithPlacement")
+        with self._lock:
+            refusal = self._gi_refusal(gpu, profile, start)
+            if refusal is not None:
+                raise _err(refusal)
+            gi = FakeGpuInstance(device.gpu, gi_swizzle_id(start, size), profile, start)
+            gpu.gpu_instances[gi.id] = gi
+        self._write_caps(gpu)
+        return gi
+
+    def nvmlDeviceCreateGpuInstance(self, device: FakeHandle, profileId: int) -> FakeGpuInstance:
+        """The driver picks the first placement that fits."""
+        gpu = self._mig_gpu(device)
+        profile = self._gi_profile(gpu, profileId)
+        for start in profile.starts:
+            if self._gi_refusal(gpu, profile, start) is None:
+                return self.nvmlDeviceCreateGpuInstanceWithPlacement(
+                    device, profileId, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(start, profile.size))
+                )
+        if not gpu.mig_enabled:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        raise _err(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+
+    def _live_gi(self, gi: FakeGpuInstance) -> FakeGpuInstance:
+        self._check_init()
+        if not isinstance(gi, FakeGpuInstance) or gi.destroyed:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gi
+
+    def nvmlDeviceGetGpuInstanceById(self, device: FakeHandle, gpuInstanceId: int) -> FakeGpuInstance:
+        gpu = self._mig_gpu(device)
+        gi = gpu.gpu_instances.get(int(gpuInstanceId))
+        if gi is None:
+            raise _err(pynvml.NVML_ERROR_NOT_FOUND)  # with MIG off too, as driver 580 answers
+        return gi
+
+    def nvmlGpuInstanceGetInfo(self, gpuInstance: FakeGpuInstance) -> FakeInstanceInfo:
+        gi = self._live_gi(gpuInstance)
+        return FakeInstanceInfo(
+            FakeHandle(gi.gpu),
+            gi.id,
+            gi.profile.id,
+            pynvml.c_nvmlGpuInstancePlacement_t(gi.start, gi.profile.size),
+        )
+
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        self, gpuInstance: FakeGpuInstance, profile: int, engProfile: int, version: int = 2
+    ) -> Any:
+        gi = self._live_gi(gpuInstance)
+        if version not in (1, 2):
+            raise _err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        if (
+            engProfile != pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+            or profile not in CI_PROFILE_SLICES
+        ):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        slices = CI_PROFILE_SLICES[profile]
+        if slices > gi.profile.slices:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        info = (
+            pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
+            if version == 2
+            else pynvml.c_nvmlComputeInstanceProfileInfo_t()
+        )
+        info.id = profile
+        info.sliceCount = slices
+        info.instanceCount = gi.profile.slices // slices
+        info.multiprocessorCount = gi.profile.sm * slices // gi.profile.slices
+        info.sharedCopyEngineCount = gi.profile.ce
+        info.sharedDecoderCount = gi.profile.dec
+        info.sharedEncoderCount = gi.profile.enc
+        info.sharedJpegCount = gi.profile.jpeg
+        info.sharedOfaCount = gi.profile.ofa
+        if version == 2:
+            base = gi.profile.name.removeprefix("MIG ")
+            info.name = ("MIG " + (base if slices == gi.profile.slices else f"{slices}c.{base}")).encode()
+        return info
+
+    def nvmlGpuInstanceCreateComputeInstance(
+        self, gpuInstance: FakeGpuInstance, profileId: int
+    ) -> FakeComputeInstance:
+        gi = self._live_gi(gpuInstance)
+        if profileId not in CI_PROFILE_SLICES:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        slices = CI_PROFILE_SLICES[profileId]
+        if slices > gi.profile.slices:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpu = self.gpus[gi.gpu]
+        self._count("nvmlGpuInstanceCreateComputeInstance")
+        with self._lock:
+            used = sorted(s for ci in gi.cis.values() for s in range(ci.start, ci.start + ci.slices))
+            start = next(
+                (
+                    s
+                    for s in range(0, gi.profile.slices - slices + 1, slices)
+                    if not set(range(s, s + slices)) & set(used)
+                ),
+                None,
+            )
+            if start is None:
+                raise _err(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+            ci_id = next(n for n in range(len(gi.cis) + 1) if n not in gi.cis)
+            memory = gi.profile.memory_mib
+            minor = gpu.minor
+            mig = FakeMig(
+                gi=gi.id,
+                ci=ci_id,
+                gi_slices=gi.profile.slices,
+                ci_slices=slices,
+                memory_mib=memory,
+                uuid=f"MIG-{uuidlib.uuid4()}",  # a new UUID each time an instance is made, as the driver's
+                gi_cap_minor=1000 * (minor + 1) + 10 * gi.id,
+                ci_cap_minor=1000 * (minor + 1) + 10 * gi.id + 1 + ci_id,
+            )
+            ci = FakeComputeInstance(gi, ci_id, profileId, slices, start, mig)
+            gi.cis[ci_id] = ci
+            gpu.migs.append(mig)
+        self._write_caps(gpu)
+        return ci
+
+    def _live_ci(self, ci: FakeComputeInstance) -> FakeComputeInstance:
+        self._check_init()
+        if not isinstance(ci, FakeComputeInstance) or ci.destroyed or ci.gi.destroyed:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return ci
+
+    def nvmlGpuInstanceGetComputeInstanceById(
+        self, gpuInstance: FakeGpuInstance, computeInstanceId: int
+    ) -> FakeComputeInstance:
+        gi = self._live_gi(gpuInstance)
+        ci = gi.cis.get(int(computeInstanceId))
+        if ci is None:
+            raise _err(pynvml.NVML_ERROR_NOT_FOUND)
+        return ci
+
+    def nvmlComputeInstanceGetInfo(self, computeInstance: FakeComputeInstance) -> FakeInstanceInfo:
+        ci = self._live_ci(computeInstance)
+        return FakeInstanceInfo(
+            FakeHandle(ci.gi.gpu),
+            ci.id,
+            ci.profile_id,
+            pynvml.c_nvmlComputeInstancePlacement_t(ci.start, ci.slices),
+            gpuInstance=ci.gi,
+        )
+
+    def nvmlComputeInstanceGetInfo_v2(self, computeInstance: FakeComputeInstance) -> FakeInstanceInfo:
+        return self.nvmlComputeInstanceGetInfo(computeInstance)
+
+    def nvmlComputeInstanceDestroy(self, computeInstance: FakeComputeInstance) -> int:
+        ci = self._live_ci(computeInstance)
+        gpu = self.gpus[ci.gi.gpu]
+        if any((p.gi, p.ci) == (ci.gi.id, ci.id) for p in gpu.processes):
+            raise _err(pynvml.NVML_ERROR_IN_USE)
+        self._count("nvmlComputeInstanceDestroy")
+        with self._lock:
+            ci.destroyed = True
+            del ci.gi.cis[ci.id]
+            gpu.migs.remove(ci.mig)
+        self._write_caps(gpu)
+        return int(pynvml.NVML_SUCCESS)
+
+    def nvmlGpuInstanceDestroy(self, gpuInstance: FakeGpuInstance) -> int:
+        gi = self._live_gi(gpuInstance)
+        gpu = self.gpus[gi.gpu]
+        if gi.cis or any(p.gi == gi.id for p in gpu.processes):
+            raise _err(pynvml.NVML_ERROR_IN_USE)  # compute instances (or processes) still in it
+        self._count("nvmlGpuInstanceDestroy")
+        with self._lock:
+            gi.destroyed = True
+            del gpu.gpu_instances[gi.id]
+        self._write_caps(gpu)
+        return int(pynvml.NVML_SUCCESS)
+
+    def mig_state(self) -> list[dict[str, Any]]:
+        """The GPU and compute instances that exist now, for tests (``mig-state`` over the control socket)."""
+        with self._lock:
+            return [
+                {
+                    "gpu": index,
+                    "gi": gi.id,
+                    "profile": gi.profile.name.removeprefix("MIG "),
+                    "profileId": gi.profile.id,
+                    "start": gi.start,
+                    "size": gi.profile.size,
+                    "cis": [{"ci": ci.id, "uuid": ci.mig.uuid} for ci in gi.cis.values()],
+                }
+                for index, gpu in enumerate(self.gpus)
+                for gi in sorted(gpu.gpu_instances.values(), key=lambda g: g.id)
+            ]
 
     # ------------------------------------------------------------------ telemetry and compute mode
     def _whole(self, handle: FakeHandle) -> FakeGpu:
@@ -788,20 +1244,33 @@ class FakeNvml:
                 pci = root / "sys/bus/pci/devices" / linux_bus
                 pci.mkdir(parents=True, exist_ok=True)
                 (pci / "numa_node").write_text(f"{-1 if gpu.numa_node is None else gpu.numa_node}\n")
-                for mig in gpu.migs:
-                    gi_dir = root / f"proc/driver/nvidia/capabilities/gpu{gpu.minor}/mig/gi{mig.gi}"
-                    ci_dir = gi_dir / f"ci{mig.ci}"
-                    ci_dir.mkdir(parents=True, exist_ok=True)
-                    (gi_dir / "access").write_text(
-                        f"DeviceFileMinor: {mig.gi_cap_minor}\nDeviceFileMode: 292\n"
-                    )
-                    (ci_dir / "access").write_text(
-                        f"DeviceFileMinor: {mig.ci_cap_minor}\nDeviceFileMode: 292\n"
-                    )
             self._host_root = root
+            for gpu in self.gpus:
+                self._write_caps(gpu)
             # Removed when this fake goes away or the process exits, whichever comes first.
             weakref.finalize(self, shutil.rmtree, root, True)
         return self._host_root
+
+    def _write_caps(self, gpu: FakeGpu) -> None:
+        """The MIG capability files (/proc/driver/nvidia/capabilities/gpuN/mig/giX[/ciY]/access) of the GPU's
+        instances as they are now: the driver adds and removes them as instances come and go."""
+        if self._host_root is None:
+            return
+        mig_dir = self._host_root / f"proc/driver/nvidia/capabilities/gpu{gpu.minor}/mig"
+        with self._lock:
+            shutil.rmtree(mig_dir, ignore_errors=True)
+            for mig in gpu.migs:
+                gi_dir = mig_dir / f"gi{mig.gi}"
+                ci_dir = gi_dir / f"ci{mig.ci}"
+                ci_dir.mkdir(parents=True, exist_ok=True)
+                (gi_dir / "access").write_text(f"DeviceFileMinor: {mig.gi_cap_minor}\nDeviceFileMode: 292\n")
+                (ci_dir / "access").write_text(f"DeviceFileMinor: {mig.ci_cap_minor}\nDeviceFileMode: 292\n")
+            for gi in gpu.gpu_instances.values():  # a GPU instance without a compute instance yet
+                gi_dir = mig_dir / f"gi{gi.id}"
+                if not gi_dir.exists():
+                    gi_dir.mkdir(parents=True)
+                    minor = 1000 * (gpu.minor + 1) + 10 * gi.id
+                    (gi_dir / "access").write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\n")
 
     # ------------------------------------------------------------------ cross-process control
     def serve_control(self, path: str) -> None:
@@ -861,6 +1330,11 @@ class FakeNvml:
                 power_mw=message.get("powerMw"),
                 temperature_c=message.get("temperatureC"),
             )
+        elif op == "mig-state":
+            reply = message.get("reply")
+            if reply:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                    sock.sendto(json.dumps(self.mig_state()).encode(), reply)
         elif op == "compute-mode":
             self.gpus[int(message["gpu"])].compute_mode = int(message["mode"])
         else:
@@ -871,6 +1345,17 @@ def send_control(path: str | os.PathLike[str], **message: Any) -> None:
     """Send one fault command to a fake NVML in another process, e.g. ``send_control(p, op="xid", gpu=0, xid=79)``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.sendto(json.dumps(message).encode(), os.fspath(path))
+
+
+def query_control(path: str | os.PathLike[str], timeout: float = 10.0, **message: Any) -> Any:
+    """Send a command that answers (``op="mig-state"``) and return the fake's JSON reply."""
+    with tempfile.TemporaryDirectory(prefix="kxpu-fake-nvml-reply-") as tmp:
+        reply = os.path.join(tmp, "reply.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.bind(reply)
+            sock.settimeout(timeout)
+            sock.sendto(json.dumps({**message, "reply": reply}).encode(), os.fspath(path))
+            return json.loads(sock.recv(1 << 20))
 
 
 _shared: dict[str, FakeNvml] = {}

@@ -19,11 +19,11 @@ import hashlib
 import os
 import threading
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kxpu.atomicfile import write_atomically
-from kxpu.backends.nvidia import discovery, mps, topology
+from kxpu.backends.nvidia import discovery, dynamic_mig, mps, topology
 from kxpu.backends.nvidia.config import GpuRef, NvidiaConfig
 from kxpu.backends.nvidia.discovery import MIB, GpuInfo, Inventory, MigInfo
 from kxpu.backends.nvidia.health import DEFAULT_WAIT_MS, HealthKey, HealthMonitor, XidPolicy
@@ -39,6 +39,7 @@ from kxpu.model import (
     Backend,
     BackendError,
     ContainerEdits,
+    CounterSet,
     Device,
     DeviceNode,
     DeviceShare,
@@ -106,16 +107,25 @@ class NvidiaBackend(Backend):
         self._listeners: set[Callable[[], None]] = set()
         self._listeners_lock = threading.Lock()
         self.inventory = self._start_nvml()
+        self._mig_maker = dynamic_mig.MigMaker(self.nvml, self.source.host_root)
+        self._realized: dict[str, MigInfo] = {}  # placement ID → the MIG device made for it (dynamic MIG)
         try:
             self.units = self._build_units(self.inventory)
+            self.placements = self._read_placements(self.inventory)
         except BaseException:
             self._shutdown_nvml()
             raise
         self._by_id = {u.id: u for u in self.units}
+        self._placement_by_id = {p.id: p for p in self.placements}
         self._gpu_of = {u.id: u.physical for u in self.units}
         self._replicas_of = {u.physical: u.replicas for u in self.units}
-        whole = not any(u.mig for u in self.units) and not config.replicated
-        served = list({u.gpu.uuid: u.gpu for u in self.units}.values())
+        whole = not any(u.mig for u in self.units) and not config.replicated and not self.placements
+        served = list(
+            {
+                **{u.gpu.uuid: u.gpu for u in self.units},
+                **{p.gpu.uuid: p.gpu for p in self.placements},
+            }.values()
+        )
         self.topology = topology.measure(self.nvml, served) if whole and len(served) > 1 else None
         self.monitor: HealthMonitor | None = None
         policy = XidPolicy.from_env(config.health.ignored_xids, self._environ)
@@ -322,6 +332,8 @@ class NvidiaBackend(Backend):
         mig_on = [g for g in known if g.mig_enabled]
         if strategy == "none":
             return [(g, None) for g in gpus]
+        if strategy == "dynamic":  # GPUs in MIG mode are offered as placements (_read_placements)
+            return [(g, None) for g in gpus if g not in mig_on]
         empty = [str(g.index) for g in mig_on if not g.migs]
         if empty:
             raise BackendError(
@@ -390,7 +402,44 @@ class NvidiaBackend(Backend):
             ]
         return units
 
+    def _read_placements(self, inventory: Inventory) -> list[dynamic_mig.Placement]:
+        if self.config.mig_strategy != "dynamic":
+            return []
+        out: list[dynamic_mig.Placement] = []
+        for gpu in self._selected(inventory.gpus):
+            if gpu.error is not None or not gpu.mig_enabled:
+                continue
+            try:
+                placements = dynamic_mig.read_placements(self.nvml, gpu)
+            except self.nvml.NVMLError as exc:
+                raise BackendError(
+                    f"GPU {gpu.index} ({gpu.uuid}): cannot read its MIG profiles and placements ({describe(exc)})"
+                ) from None
+            if not placements:
+                log.warning("GPU in MIG mode has no MIG profile placements", gpu=gpu.index)
+            out += placements
+        return out
+
     # ------------------------------------------------------------------ devices
+    def _placement_fault(self, p: dynamic_mig.Placement, faults: Mapping[HealthKey, str]) -> str | None:
+        if p.gpu.error:
+            return "discovery-failed"
+        if (p.gpu.uuid, None, None) in faults:
+            return faults[(p.gpu.uuid, None, None)]
+        mig = self._realized.get(p.id)
+        for (gpu_uuid, gi, ci), reason in faults.items():
+            if gpu_uuid == p.gpu.uuid and mig is not None and (mig.gi, mig.ci) == (gi, ci):
+                return reason
+        return None
+
+    def _placement_devices(self, faults: Mapping[HealthKey, str]) -> list[Device]:
+        out = []
+        for p in self.placements:
+            reason = self._placement_fault(p, faults)
+            base = self._device(Unit(p.gpu.uuid, p.gpu.uuid, p.gpu), reason)
+            out.append(dynamic_mig.placement_device(p, base))
+        return out
+
     def _fault(self, unit: Unit, faults: Mapping[HealthKey, str]) -> str | None:
         if unit.gpu.error:
             return "discovery-failed"
@@ -411,6 +460,10 @@ class NvidiaBackend(Backend):
     def _device(self, unit: Unit, reason: str | None) -> Device:
         gpu, mig = unit.gpu, unit.mig
         extra: dict[str, str | int | bool] = {"migCapable": gpu.mig_capable}
+        if (
+            self.config.mig_strategy == "dynamic"
+        ):  # as NVIDIA's DRA driver: a DeviceClass picks one or the other
+            extra["type"] = "gpu"
         if gpu.compute_capability:
             extra["computeCapability"] = "{}.{}".format(*gpu.compute_capability)
         if gpu.minor is not None:
@@ -442,7 +495,7 @@ class NvidiaBackend(Backend):
 
     def discover(self) -> list[Device]:
         faults = self.monitor.snapshot() if self.monitor else {}
-        return [self._device(u, self._fault(u, faults)) for u in self.units]
+        return [self._device(u, self._fault(u, faults)) for u in self.units] + self._placement_devices(faults)
 
     def _notify(self) -> None:
         with self._listeners_lock:
@@ -478,10 +531,20 @@ class NvidiaBackend(Backend):
 
     # ------------------------------------------------------------------ allocation
     def _units(self, devices: Sequence[Device]) -> list[Unit]:
-        try:
-            return [self._by_id[d.id] for d in devices]
-        except KeyError as exc:
-            raise BackendError(f"not an NVIDIA device of this resource: {exc.args[0]}") from None
+        units = []
+        for d in devices:
+            unit = self._by_id.get(d.id)
+            if unit is None and d.id in self._placement_by_id:
+                mig = self._realized.get(d.id)
+                if mig is None:
+                    raise BackendError(
+                        f"{d.id}: its MIG device does not exist (it is created when a claim is prepared)"
+                    )
+                unit = Unit(d.id, mig.uuid, self._placement_by_id[d.id].gpu, mig)
+            if unit is None:
+                raise BackendError(f"not an NVIDIA device of this resource: {d.id}")
+            units.append(unit)
+        return units
 
     def _dev_root(self) -> Path:
         root = self.config.nvidia_driver_root
@@ -593,6 +656,66 @@ class NvidiaBackend(Backend):
             edits.device_nodes += self._device_nodes(units)
         return edits
 
+    # ------------------------------------------------------------------ dynamic MIG (Partitioner)
+    def counter_sets(self) -> list[CounterSet]:
+        by_gpu: dict[str, list[dynamic_mig.Placement]] = {}
+        for p in self.placements:
+            by_gpu.setdefault(p.gpu.uuid, []).append(p)
+        return [dynamic_mig.counter_set(ps[0].gpu, ps) for ps in by_gpu.values()]
+
+    def realize(self, devices: Sequence[Device]) -> list[tuple[Device, dict[str, str | int]]]:
+        """Create the MIG device of each placement (GPU instance + compute instance); all or none. Blocks."""
+        made: list[tuple[Device, dict[str, str | int]]] = []
+        with self._nvml_lock:
+            if not self._initialized:
+                raise BackendError("NVML is not initialized (the backend is closed or has no driver)")
+            try:
+                for device in devices:
+                    p = self._placement_by_id.get(device.id)
+                    if p is None:
+                        made.append((device, {}))
+                        continue
+                    mig, handle = self._mig_maker.create(p)
+                    self._realized[p.id] = mig
+                    extra = {**device.extra, "gpuInstance": mig.gi, "computeInstance": mig.ci}
+                    made.append((replace(device, uuid=mig.uuid, extra=extra), handle))
+            except BaseException:
+                errors = self._destroy([h for _, h in made if h])
+                if errors:
+                    log.error("cannot destroy MIG devices made for a failed claim", errors="; ".join(errors))
+                raise
+        return made
+
+    def release(self, handles: Sequence[Mapping[str, str | int]]) -> None:
+        """Destroy the MIG devices ``realize`` made; one already gone is released. Blocks."""
+        with self._nvml_lock:
+            if not self._initialized:
+                raise BackendError("NVML is not initialized (the backend is closed or has no driver)")
+            errors = self._destroy([h for h in handles if h])
+        if errors:
+            raise BackendError("; ".join(errors))
+
+    def _destroy(self, handles: Sequence[Mapping[str, str | int]]) -> list[str]:
+        by_uuid = {g.uuid: g for g in self.inventory.gpus}
+        errors = []
+        for handle in handles:
+            try:
+                gpu = by_uuid.get(str(handle.get("gpu")))
+                if gpu is None:
+                    raise BackendError(
+                        f"MIG device {handle.get('uuid')}: GPU {handle.get('gpu')} is not on this node"
+                    )
+                self._mig_maker.destroy(gpu, handle)
+            except (BackendError, KeyError, ValueError) as exc:
+                errors.append(
+                    str(exc) if isinstance(exc, BackendError) else f"bad MIG handle {dict(handle)}: {exc!r}"
+                )
+                continue
+            for pid, mig in list(self._realized.items()):
+                if mig.uuid == handle.get("uuid"):
+                    del self._realized[pid]
+        return errors
+
     # ------------------------------------------------------------------ telemetry
     def sample(self) -> TelemetrySample:
         """NVML's figures for the GPUs this resource serves (see ``telemetry.py``)."""
@@ -630,8 +753,15 @@ class NvidiaBackend(Backend):
     # ------------------------------------------------------------------ labels
     def node_labels(self) -> dict[str, str]:
         """GPU Feature Discovery-style labels for what this resource serves."""
+        devices = self.discover()
+        if self.placements:  # label the GPUs, not their possible partitions
+            gpus = {p.gpu.uuid: p.gpu for p in self.placements}
+            devices = [d for d in devices if not d.consumes] + [
+                self._device(Unit(g.uuid, g.uuid, g), None) for g in gpus.values()
+            ]
+            devices.sort(key=lambda d: d.index if d.index is not None else -1)
         return gpu_labels(
-            self.discover(),
+            devices,
             driver_version=self.inventory.driver_version,
             cuda_driver_version=self.inventory.cuda_driver_version,
             mig_strategy=self.config.mig_strategy,

@@ -169,7 +169,10 @@ class LabelsConfig(BackendConfig):
 
 
 class NvidiaConfig(BackendConfig):
-    mig_strategy: Literal["none", "single", "mixed"] = "none"
+    # dynamic: each GPU in MIG mode is offered as every placement of every MIG profile it supports, with shared
+    # counters so that the DRA scheduler never allocates two that overlap; a claim's partition is created when
+    # it is prepared and destroyed when it is unprepared (DRA only; see dynamic_mig.py).
+    mig_strategy: Literal["none", "single", "mixed", "dynamic"] = "none"
     mig_profile: str | None = None
     device_id_strategy: Literal["uuid", "index"] = Field(default="uuid", alias="deviceIDStrategy")
     device_list_strategy: list[DeviceListStrategy] = Field(
@@ -244,7 +247,19 @@ class NvidiaConfig(BackendConfig):
             )
         if self.mps_active and self.mig_strategy == "mixed":
             raise ValueError("MPS cannot share MIG devices: migStrategy mixed is not supported with MPS")
+        if self.mig_strategy == "dynamic" and (self.mps_active or self.replicated):
+            raise ValueError(
+                "migStrategy dynamic partitions GPUs into MIG devices, one per claim: it cannot be combined with "
+                "sharing.timeSlicing, sharing.mps or mps.enabled"
+            )
         return self
+
+    def dra_only(self) -> str | None:
+        return (
+            "nvidia.migStrategy dynamic offers overlapping MIG partitions"
+            if self.mig_strategy == "dynamic"
+            else None
+        )
 
     @property
     def mps_active(self) -> bool:

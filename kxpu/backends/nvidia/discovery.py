@@ -114,6 +114,54 @@ def _numa(nvml: Nvml, handle: Any, host_root: Path, bus_id: str | None) -> int |
     return _numa_from_sysfs(host_root, bus_id) if bus_id else None
 
 
+def read_mig(nvml: Nvml, mig: Any, slot: int, gpu: GpuInfo, host_root: Path) -> MigInfo:
+    """One MIG device of ``gpu`` (its handle from ``nvmlDeviceGetMigDeviceHandleByIndex(gpu, slot)``)."""
+    return _mig_info(nvml, mig, slot, gpu.index, gpu.uuid, gpu.minor, (gpu.memory_mib or 0) * MIB, host_root)
+
+
+def _mig_info(
+    nvml: Nvml,
+    mig: Any,
+    slot: int,
+    index: int,
+    uuid: str,
+    minor: int | None,
+    total_bytes: int,
+    host_root: Path,
+) -> MigInfo:
+    attrs = nvml.nvmlDeviceGetAttributes(mig)
+    gi = int(nvml.nvmlDeviceGetGpuInstanceId(mig))
+    ci = int(nvml.nvmlDeviceGetComputeInstanceId(mig))
+    memory_mib = int(attrs.memorySizeMB)
+    caps: list[str] = []
+    if minor is not None:
+        base = host_root / f"proc/driver/nvidia/capabilities/gpu{minor}/mig/gi{gi}"
+        for access in (base / "access", base / f"ci{ci}" / "access"):
+            cap = _cap_device(access)
+            if cap is None:
+                log.warning("MIG capability file missing or unreadable", path=str(access))
+            else:
+                caps.append(cap)
+    return MigInfo(
+        parent_uuid=uuid,
+        parent_index=index,
+        slot=slot,
+        uuid=text(nvml.nvmlDeviceGetUUID(mig)),
+        gi=gi,
+        ci=ci,
+        gi_slices=int(attrs.gpuInstanceSliceCount),
+        ci_slices=int(attrs.computeInstanceSliceCount),
+        memory_mib=memory_mib,
+        profile=mig_profile_name(
+            int(attrs.gpuInstanceSliceCount),
+            int(attrs.computeInstanceSliceCount),
+            memory_mib,
+            total_bytes,
+        ),
+        cap_paths=tuple(caps),
+    )
+
+
 def _migs(
     nvml: Nvml, gpu_handle: Any, index: int, uuid: str, minor: int | None, total_bytes: int, host_root: Path
 ) -> tuple[MigInfo, ...]:
@@ -125,39 +173,7 @@ def _migs(
             if is_code(nvml, exc, "NVML_ERROR_NOT_FOUND", "NVML_ERROR_INVALID_ARGUMENT"):
                 continue  # an empty slot
             raise
-        attrs = nvml.nvmlDeviceGetAttributes(mig)
-        gi = int(nvml.nvmlDeviceGetGpuInstanceId(mig))
-        ci = int(nvml.nvmlDeviceGetComputeInstanceId(mig))
-        memory_mib = int(attrs.memorySizeMB)
-        caps: list[str] = []
-        if minor is not None:
-            base = host_root / f"proc/driver/nvidia/capabilities/gpu{minor}/mig/gi{gi}"
-            for access in (base / "access", base / f"ci{ci}" / "access"):
-                cap = _cap_device(access)
-                if cap is None:
-                    log.warning("MIG capability file missing or unreadable", path=str(access))
-                else:
-                    caps.append(cap)
-        migs.append(
-            MigInfo(
-                parent_uuid=uuid,
-                parent_index=index,
-                slot=slot,
-                uuid=text(nvml.nvmlDeviceGetUUID(mig)),
-                gi=gi,
-                ci=ci,
-                gi_slices=int(attrs.gpuInstanceSliceCount),
-                ci_slices=int(attrs.computeInstanceSliceCount),
-                memory_mib=memory_mib,
-                profile=mig_profile_name(
-                    int(attrs.gpuInstanceSliceCount),
-                    int(attrs.computeInstanceSliceCount),
-                    memory_mib,
-                    total_bytes,
-                ),
-                cap_paths=tuple(caps),
-            )
-        )
+        migs.append(_mig_info(nvml, mig, slot, index, uuid, minor, total_bytes, host_root))
     return tuple(migs)
 
 
