@@ -35,7 +35,7 @@ class Rig:
         self.cdi = root / "cdi"
         self.state = root / "state.json"
         self.api = FakeDraApi({NODE: "uid-a"})
-        self.kubelet = DraKubeletStandIn(self.registry)
+        self.kubelet = DraKubeletStandIn(self.registry, self.api, NODE)
         self.daemon: Daemon | None = None
         self.task: asyncio.Task[int] | None = None
 
@@ -182,6 +182,33 @@ async def test_kubelet_restart_and_a_removed_socket_register_again(rig: Rig) -> 
     assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
 
 
+async def test_slices_come_back_after_a_kubelet_restart_wipes_them(rig: Rig) -> None:
+    """The kubelet deletes every ResourceSlice of its node when it starts (and a driver's 30 s after losing
+    it); an admin may delete them too: the driver publishes them again, within a second."""
+    await rig.start()
+    await rig.kubelet.wait_registered(DRIVER)
+    await eventually(lambda: len(rig.pool()) == 4)
+    await rig.kubelet.restart()
+    await rig.kubelet.wait_registered(DRIVER, times=2, timeout=5)
+    await eventually(lambda: len(rig.pool()) == 4, timeout=1.5)
+    assert rig.api.delete_node_slices(NODE, DRIVER)  # by hand, with the driver registered
+    await eventually(lambda: len(rig.pool()) == 4, timeout=1.5)
+
+
+async def test_a_recreated_node_gets_slices_it_owns(rig: Rig) -> None:
+    """The Node object deleted and created again (same name, new UID): the garbage collector removes the slices
+    the old Node owned, and the driver publishes new ones owned by the new Node."""
+    await rig.start()
+    await eventually(lambda: len(rig.pool()) == 4)
+    rig.api.nodes[NODE] = "uid-a2"
+    for name, obj in list(rig.api.slices.items()):  # the garbage collector, for the old owner
+        if obj["metadata"]["ownerReferences"][0]["uid"] == "uid-a":
+            await rig.api.delete_slice(name)
+    await eventually(lambda: len(rig.pool()) == 4, timeout=1.5)
+    owners = {o["metadata"]["ownerReferences"][0]["uid"] for o in rig.api.slices.values()}
+    assert owners == {"uid-a2"}
+
+
 async def test_v1beta1_kubelets_are_served(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kxpu.testing.dra.KUBELET_SERVICES", ("v1beta1.DRAPlugin",))
     await rig.start()
@@ -190,6 +217,10 @@ async def test_v1beta1_kubelets_are_served(rig: Rig, monkeypatch: pytest.MonkeyP
     claim = rig.api.add_claim("c", [result("sim-0")])
     answer = (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid]
     assert answer.error == "" and answer.devices[0].device_name == "sim-0"
+    spec = rig.cdi / f"kxpu-dra-{DRIVER}-{claim.uid}.json"
+    assert spec.exists()
+    assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
+    assert not spec.exists()
 
 
 async def test_api_errors_are_retried_and_readiness_waits_for_the_slices(rig: Rig) -> None:
@@ -300,3 +331,54 @@ async def test_kxpu_status_shows_claims_and_their_shares(rig: Rig) -> None:
     holders = {d.id: d.holders for d in status.devices}
     assert holders["sim-1"] == ["claim default/c (4096 MiB, 25%)"]
     assert "claim default/c (4096 MiB, 25%)" in format_table(status)
+
+
+async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_current_checkpoint(rig: Rig) -> None:
+    """A second process on the same node (an update's new pod before the old one stops) stands by: it writes
+    no ResourceSlice, and when the first is gone it serves the claims the first prepared meanwhile."""
+    from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+    from kxpu.dra.config import DraConfig
+    from kxpu.dra.plugin import DraPhase
+
+    def plugin(api: FakeDraApi) -> tuple[DraPlugin, DeviceSnapshot]:
+        backend = SimulatedBackend(SimulatedConfig(count=4, model="sim"))
+        snapshot = DeviceSnapshot()
+        return (
+            DraPlugin(
+                NPU, DRIVER, NODE, backend, snapshot, rig.plugins, rig.registry, api, api,
+                DraConfig(cdi_spec_dir=rig.cdi),
+            ),
+            snapshot,
+        )
+
+    first, snap = plugin(rig.api)
+    await snap.update(first.backend.discover())
+    first_task = asyncio.create_task(first.run())
+    await rig.kubelet.wait_registered(DRIVER)
+    await eventually(lambda: len(rig.pool()) == 4)
+    second_api = FakeDraApi({NODE: "uid-a"})
+    second, snap2 = plugin(second_api)
+    await snap2.update(second.backend.discover())
+    second_task = asyncio.create_task(second.run())
+    try:
+        await eventually(lambda: second.phase is DraPhase.STANDBY)
+        claim = rig.api.add_claim("c", [result("sim-0")])
+        second_api.claims = rig.api.claims
+        assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+        await asyncio.sleep(0.3)  # a standby publisher would have written by now
+        assert second_api.slices == {}
+        first_task.cancel()
+        await asyncio.gather(first_task, return_exceptions=True)
+        await rig.kubelet.wait_registered(DRIVER, times=2)
+        await eventually(lambda: second.phase is DraPhase.REGISTERED)
+        await eventually(lambda: len(second_api.pool(DRIVER, NODE)) == 4)
+        other = rig.api.add_claim("d", [result("sim-0")])
+        assert "already prepared" in (await rig.kubelet.prepare(DRIVER, other)).claims[other.uid].error
+        spec = rig.cdi / f"kxpu-dra-{DRIVER}-{claim.uid}.json"
+        assert spec.exists()
+        assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
+        assert not spec.exists()
+    finally:
+        for task in (first_task, second_task):
+            task.cancel()
+        await asyncio.gather(first_task, second_task, return_exceptions=True)

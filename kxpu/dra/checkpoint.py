@@ -120,6 +120,7 @@ class Checkpoint:
         try:
             text = self.path.read_text()
         except FileNotFoundError:
+            self.claims = {}
             return
         except OSError as exc:
             self._move_aside(f"unreadable: {exc.strerror or exc}")

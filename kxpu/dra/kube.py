@@ -7,7 +7,7 @@ Objects cross this boundary as plain dicts (the JSON the API serves), so everyth
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from lightkube import ApiError, AsyncClient
@@ -63,6 +63,11 @@ class DraKube:
 
     async def replace_slice(self, body: dict[str, Any]) -> dict[str, Any]:
         return dict(await self.client.replace(_Slice.from_dict(body)))
+
+    async def watch_slices(self, driver: str, node: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        fields: dict[str, Any] = {"spec.driver": driver, "spec.nodeName": node}
+        async for kind, obj in self.client.watch(_Slice, fields=fields):
+            yield kind, dict(obj)
 
     async def delete_slice(self, name: str) -> None:
         try:

@@ -22,7 +22,7 @@ import copy
 import itertools
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,12 @@ class FakeDraApi:
         self.writes = 0
         self.fail_next: Exception | None = None
         self._versions = itertools.count(1)
+        self._watchers: list[tuple[str, str, asyncio.Queue[tuple[str, dict[str, Any]]]]] = []
+
+    def _notify(self, kind: str, obj: Mapping[str, Any]) -> None:
+        for driver, node, queue in self._watchers:
+            if obj["spec"]["driver"] == driver and obj["spec"].get("nodeName") == node:
+                queue.put_nowait((kind, copy.deepcopy(dict(obj))))
 
     def _maybe_fail(self) -> None:
         if self.fail_next is not None:
@@ -100,6 +106,33 @@ class FakeDraApi:
             for s in self.slices.values()
             if s["spec"]["driver"] == driver and s["spec"].get("nodeName") == node
         ]
+
+    async def watch_slices(self, driver: str, node: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """As a watch without a resourceVersion: ADDED for each slice there now, then every change."""
+        self._maybe_fail()
+        queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        entry = (driver, node, queue)
+        self._watchers.append(entry)
+        try:
+            for obj in await self.list_slices(driver, node):
+                yield "ADDED", obj
+            while True:
+                yield await queue.get()
+        finally:
+            self._watchers.remove(entry)
+
+    def delete_node_slices(self, node: str, driver: str | None = None) -> list[str]:
+        """What the kubelet does at its start (every driver's slices of its node) and 30 s after losing a
+        driver's connection (that driver's): the names deleted."""
+        gone = [
+            name
+            for name, s in self.slices.items()
+            if s["spec"].get("nodeName") == node and driver in (None, s["spec"]["driver"])
+        ]
+        for name in gone:
+            self._notify("DELETED", self.slices.pop(name))
+            self.writes += 1
+        return gone
 
     def _check(self, body: Mapping[str, Any]) -> dict[str, Any]:
         stored = copy.deepcopy(dict(body))
@@ -141,6 +174,7 @@ class FakeDraApi:
         stored["metadata"]["uid"] = str(uuid.uuid4())
         self.slices[name] = stored
         self.writes += 1
+        self._notify("ADDED", stored)
         return copy.deepcopy(stored)
 
     async def replace_slice(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -157,12 +191,15 @@ class FakeDraApi:
         stored["metadata"]["uid"] = old["metadata"]["uid"]
         self.slices[name] = stored
         self.writes += 1
+        self._notify("MODIFIED", stored)
         return copy.deepcopy(stored)
 
     async def delete_slice(self, name: str) -> None:
         self._maybe_fail()
-        if self.slices.pop(name, None) is not None:
+        old = self.slices.pop(name, None)
+        if old is not None:
             self.writes += 1
+            self._notify("DELETED", old)
 
     def pool(self, driver: str, node: str) -> list[dict[str, Any]]:
         """The devices the scheduler would see: the newest generation, only when the pool is complete."""
@@ -218,8 +255,10 @@ class RegisteredDriver:
 
 
 class DraKubeletStandIn:
-    def __init__(self, registry_dir: Path) -> None:
+    def __init__(self, registry_dir: Path, api: FakeDraApi | None = None, node: str = "node-a") -> None:
         self.registry_dir = registry_dir
+        self.api = api  # where its node's ResourceSlices live (the kubelet wipes them when it starts)
+        self.node = node
         self.drivers: dict[str, RegisteredDriver] = {}
         self.refused: list[tuple[str, str]] = []  # (socket, reason)
         self.registrations = 0
@@ -240,11 +279,17 @@ class DraKubeletStandIn:
             await self._drop(driver)
 
     async def restart(self) -> None:
-        """A kubelet restart: connections and registrations forgotten, then the directory scanned again."""
+        """A kubelet restart: connections and registrations forgotten, then the directory scanned again, and
+        every ResourceSlice of the node deleted as the kubelet's DRA plugin manager does when it starts
+        (``wipeResourceSlices`` for all drivers, in the background: here after the scan began, so a driver
+        may well have registered again before its slices go)."""
         await self.stop()
         self.drivers.clear()
         self._seen.clear()
         await self.start()
+        if self.api is not None:
+            await asyncio.sleep(0)  # the scan first: the worst order for a driver
+            self.api.delete_node_slices(self.node)
 
     async def _drop(self, driver: RegisteredDriver) -> None:
         if driver.health_task is not None:
@@ -279,9 +324,13 @@ class DraKubeletStandIn:
                 reason = f"none of {list(info.supported_versions)} are supported by the kubelet"
             elif not await asyncio.to_thread(Path(info.endpoint).is_socket):
                 reason = f"endpoint {info.endpoint} is not a socket"
-            await stub.NotifyRegistrationStatus(
-                reg.RegistrationStatus(plugin_registered=not reason, error=reason), timeout=5
-            )
+            try:
+                await stub.NotifyRegistrationStatus(
+                    reg.RegistrationStatus(plugin_registered=not reason, error=reason), timeout=5
+                )
+            except grpc.aio.AioRpcError as exc:  # the socket went meanwhile: the next change retries
+                self.refused.append((str(path), f"NotifyRegistrationStatus failed: {exc.details()}"))
+                return
         if reason:
             self.refused.append((str(path), reason))
             return
@@ -310,11 +359,8 @@ class DraKubeletStandIn:
                 self._changed.notify_all()
 
     async def wait_registered(self, driver: str, times: int = 1, timeout: float = 10.0) -> RegisteredDriver:
-        async with self._changed:
-            await asyncio.wait_for(
-                self._changed.wait_for(lambda: driver in self.drivers and self.registrations >= times),
-                timeout,
-            )
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(lambda: driver in self.drivers and self.registrations >= times)
         return self.drivers[driver]
 
     async def wait_health(
@@ -326,8 +372,8 @@ class DraKubeletStandIn:
             d = self.drivers.get(driver)
             return d is not None and bool(d.health) and bool(check(d.health[-1]))
 
-        async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(found), timeout)
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(found)
         return self.drivers[driver].health[-1]
 
     async def prepare(self, driver: str, *claims: ClaimRef) -> dra.NodePrepareResourcesResponse:
@@ -348,4 +394,10 @@ class DraKubeletStandIn:
         request = dra.NodeUnprepareResourcesRequest(
             claims=[dra.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
         )
+        if d.service == "v1beta1.DRAPlugin":
+            beta = dra_beta_grpc.DRAPluginStub(d.channel)
+            answer = await beta.NodeUnprepareResources(
+                dra_beta.NodeUnprepareResourcesRequest.FromString(request.SerializeToString()), timeout=45
+            )
+            return dra.NodeUnprepareResourcesResponse.FromString(answer.SerializeToString())
         return await dra_grpc.DRAPluginStub(d.channel).NodeUnprepareResources(request, timeout=45)
