@@ -333,7 +333,9 @@ async def test_kxpu_status_shows_claims_and_their_shares(rig: Rig) -> None:
     assert "claim default/c (4096 MiB, 25%)" in format_table(status)
 
 
-async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_current_checkpoint(rig: Rig) -> None:
+async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_current_checkpoint(
+    rig: Rig,
+) -> None:
     """A second process on the same node (an update's new pod before the old one stops) stands by: it writes
     no ResourceSlice, and when the first is gone it serves the claims the first prepared meanwhile."""
     from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
@@ -345,7 +347,15 @@ async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_curre
         snapshot = DeviceSnapshot()
         return (
             DraPlugin(
-                NPU, DRIVER, NODE, backend, snapshot, rig.plugins, rig.registry, api, api,
+                NPU,
+                DRIVER,
+                NODE,
+                backend,
+                snapshot,
+                rig.plugins,
+                rig.registry,
+                api,
+                api,
                 DraConfig(cdi_spec_dir=rig.cdi),
             ),
             snapshot,

@@ -184,12 +184,16 @@ async def test_opaque_config_is_validated_and_applied(rig: Rig) -> None:
 async def test_orphan_specs_are_removed_but_not_after_a_corrupt_checkpoint(rig: Rig) -> None:
     rig.cdi.mkdir(parents=True)
     orphan = rig.cdi / f"kxpu-dra-{DRIVER}-dead-beef.json"
-    orphan.write_text("{}")
+    mine = json.dumps({"cdiVersion": "0.6.0", "kind": f"{DRIVER}/claim", "devices": []})
+    orphan.write_text(mine)
     someone_else = rig.cdi / "vendor.json"
     someone_else.write_text("{}")
+    # Driver npu.example.com-x's spec starts with npu.example.com's prefix: not npu.example.com's to remove.
+    longer = rig.cdi / f"kxpu-dra-{DRIVER}-x-dead-beef.json"
+    longer.write_text(json.dumps({"cdiVersion": "0.6.0", "kind": f"{DRIVER}-x/claim", "devices": []}))
     assert rig.make().remove_orphan_specs() == [orphan]
-    assert someone_else.exists()
-    orphan.write_text("{}")
+    assert someone_else.exists() and longer.exists()
+    orphan.write_text(mine)
     checkpoint = rig.root / "plugins" / DRIVER / "checkpoint.json"
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
     checkpoint.write_text("{not json")
@@ -213,3 +217,44 @@ def test_devices_are_looked_up_by_their_dra_name(tmp_path: Path) -> None:
     odd = Device(id="Sim_0:x")
     rig.preparer.update_devices({odd.id: odd})
     assert device_name(odd.id) != odd.id
+
+
+async def test_admin_access_takes_nothing_from_the_devices_users(rig: Rig) -> None:
+    """A monitoring claim with adminAccess uses a device beside its users: it neither blocks them nor is
+    blocked, across a restart too (the checkpoint records it)."""
+    admin = rig.api.add_claim("monitor", [result("sim-0", adminAccess=True)])
+    assert (await rig.preparer.prepare([admin]))[admin.uid].error is None
+    saved = json.loads((rig.root / "plugins" / DRIVER / "checkpoint.json").read_text())
+    assert saved["claims"][admin.uid]["devices"][0]["adminAccess"] is True
+    user = rig.api.add_claim("user", [result("sim-0")])
+    assert (await rig.make().prepare([user]))[user.uid].error is None
+    second = rig.api.add_claim("second", [result("sim-0")])
+    assert "already prepared for ResourceClaim default/user" in (
+        (await rig.make().prepare([second]))[second.uid].error or ""
+    )
+
+
+async def test_unexpected_errors_are_one_claims_one_line_answer(rig: Rig) -> None:
+    """The API server's refusal (403, 429, 5xx), a broken connection, a vendor library's surprise: the claim it
+    hit gets a one-line error and an event; the call's other claims are prepared."""
+    import httpx2 as httpx
+
+    broken = rig.api.add_claim("broken", [result("sim-0")])
+    fine = rig.api.add_claim("fine", [result("sim-1")])
+    rig.api.fail_next = httpx.ConnectError("connection reset\nby peer")
+    answers = await rig.preparer.prepare([broken, fine])
+    error = answers[broken.uid].error or ""
+    assert (
+        error == "ResourceClaim default/broken: cannot prepare it: ConnectError: connection reset\\nby peer"
+    )
+    assert answers[fine.uid].error is None
+    assert [(ref.name, reason) for ref, reason, _ in rig.api.events] == [("broken", "KxpuPrepareFailed")]
+
+    class Vendor(SimulatedBackend):
+        def allocate(self, devices: Any) -> Any:
+            raise KeyError("handle")
+
+    rig.backend = Vendor(rig.backend.config)
+    surprise = rig.api.add_claim("surprise", [result("sim-2")])
+    error = (await rig.make().prepare([surprise]))[surprise.uid].error or ""
+    assert error == "ResourceClaim default/surprise: cannot prepare it: KeyError: 'handle'"

@@ -49,6 +49,8 @@ class PreparedDevice:
     cores: int | None = None
     # A partition made for this claim (Partitioner.realize): what releasing it needs.
     partition: Mapping[str, str | int] | None = None
+    # Allocated with adminAccess (monitoring beside the device's users): holds nothing of the device.
+    admin_access: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,7 @@ def _claim_to_json(claim: PreparedClaim) -> dict[str, Any]:
                 **({"memoryMiB": d.memory_mib} if d.memory_mib is not None else {}),
                 **({"cores": d.cores} if d.cores is not None else {}),
                 **({"partition": dict(d.partition)} if d.partition else {}),
+                **({"adminAccess": True} if d.admin_access else {}),
             }
             for d in claim.devices
         ],
@@ -101,6 +104,7 @@ def _claim_from_json(raw: Mapping[str, Any]) -> PreparedClaim:
                 memory_mib=d.get("memoryMiB"),
                 cores=d.get("cores"),
                 partition=d.get("partition"),
+                admin_access=bool(d.get("adminAccess", False)),
             )
             for d in raw["devices"]
         ),

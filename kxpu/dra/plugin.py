@@ -288,7 +288,8 @@ class DraPlugin:
                         # The other process prepared and unprepared claims meanwhile: its checkpoint is the truth.
                         await self._load_checkpoint()
                         self.log.info(
-                            "the other process is gone; taking over", prepared_claims=len(self.checkpoint.claims)
+                            "the other process is gone; taking over",
+                            prepared_claims=len(self.checkpoint.claims),
                         )
                     for served in (self.dra, self.registration):
                         if served.identity is not None and not served.intact():
@@ -368,7 +369,9 @@ class DraPlugin:
             except Exception as exc:  # the API server's answer or the connection's failure: retried
                 delay = backoff.next_delay()
                 self.log.warning(
-                    "watching ResourceSlices failed; retrying", error=error_text(exc), retry_in_s=round(delay, 2)
+                    "watching ResourceSlices failed; retrying",
+                    error=error_text(exc),
+                    retry_in_s=round(delay, 2),
                 )
             self._republish.set()
             await asyncio.sleep(delay)
@@ -410,7 +413,9 @@ class DraPlugin:
             ]
             try:
                 await asyncio.wait(
-                    changes, timeout=RELIST_SECONDS if delay is None else delay, return_when=asyncio.FIRST_COMPLETED
+                    changes,
+                    timeout=RELIST_SECONDS if delay is None else delay,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
             finally:
                 for change in changes:
