@@ -392,3 +392,23 @@ async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_curre
         for task in (first_task, second_task):
             task.cancel()
         await asyncio.gather(first_task, second_task, return_exceptions=True)
+
+
+async def test_reload_that_drops_dra_is_refused_while_claims_are_prepared(rig: Rig) -> None:
+    """Prepared claims could no longer be unprepared (pods stuck Terminating) and the device plugin would offer
+    devices DRA containers hold: the reload is refused until the claims are gone, then applied."""
+    current = [rig.config()]
+    await rig.start(current[0], reload=lambda: current[0])
+    await rig.kubelet.wait_registered(DRIVER)
+    await eventually(lambda: len(rig.pool()) == 4)
+    claim = rig.api.add_claim("c", [result("sim-0")])
+    assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+    current[0] = rig.config(serve="devicePlugin", dra={"nodeName": NODE, "cdiSpecDir": str(rig.cdi)})
+    assert rig.daemon is not None
+    await rig.daemon.reload()
+    assert rig.daemon.config is not current[0], "the reload was applied"
+    assert len(rig.pool()) == 4
+    assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
+    await rig.daemon.reload()
+    assert rig.daemon.config is current[0]
+    await eventually(lambda: not rig.api.slices)

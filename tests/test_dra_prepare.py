@@ -258,3 +258,25 @@ async def test_unexpected_errors_are_one_claims_one_line_answer(rig: Rig) -> Non
     surprise = rig.api.add_claim("surprise", [result("sim-2")])
     error = (await rig.make().prepare([surprise]))[surprise.uid].error or ""
     assert error == "ResourceClaim default/surprise: cannot prepare it: KeyError: 'handle'"
+
+
+async def test_the_checkpoint_reaches_the_disk_before_prepare_answers(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power loss right after the kubelet got its answer must not lose the claim: the checkpoint's content
+    and its rename are flushed (fsync of the file and of its directory)."""
+    import os
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    claim = rig.api.add_claim("c", [result("sim-0")])
+    assert (await rig.preparer.prepare([claim]))[claim.uid].error is None
+    directory = str(rig.root / "plugins" / DRIVER)
+    assert any(p.startswith(directory + "/.checkpoint.json.") for p in synced), synced
+    assert directory in synced

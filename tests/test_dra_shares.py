@@ -3,6 +3,7 @@ containers get; the driver's defence never lets prepared shares add up past a de
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -266,3 +267,21 @@ async def test_a_claim_naming_no_amount_gets_the_whole_device(tmp_path: Path) ->
     env = json.loads(preparer.spec_path(claim.uid).read_text())["devices"][0]["containerEdits"]["env"]
     assert not any(e.startswith("CUDA_DEVICE_") for e in env), env
     assert preparer.checkpoint.claims[claim.uid].devices[0].memory_mib == 16000
+
+
+def test_min_memory_must_be_a_whole_number_of_steps() -> None:
+    """The API server refuses a request policy whose default is not a whole number of steps from its min:
+    such a config would have every slice refused, so it is refused at load, naming the fields."""
+    from kxpu.config import ConfigError, parse_config
+    from kxpu.testing.dra import ApiRefused, FakeDraApi
+
+    entry = device_entry(Device(id="gpu-0", memory_mib=16384), "taint", SharePolicy(256, 100))
+    body = {"metadata": {"name": "s"}, "spec": {"driver": DRIVER, "nodeName": NODE, "devices": [entry]}}
+    with pytest.raises(ApiRefused, match="not a multiple of a given step"):
+        asyncio.run(FakeDraApi().create_slice(body))
+    resource = {"name": "example.com/npu", "simulated": {"count": 1}, "serve": "dra"}
+    with pytest.raises(
+        ConfigError, match=r"dra\.shares.*minMemoryMiB 100 must be a multiple of memoryStepMiB 256"
+    ):
+        parse_config({"version": "v1", "resources": [{**resource, "dra": {"shares": {"minMemoryMiB": 100}}}]})
+    parse_config({"version": "v1", "resources": [{**resource, "dra": {"shares": {"minMemoryMiB": 512}}}]})

@@ -159,7 +159,7 @@ class Checkpoint:
             "claims": {uid: _claim_to_json(c) for uid, c in sorted(self.claims.items())},
         }
         try:
-            write_atomically(self.path, json.dumps(doc, indent=1) + "\n", mode=0o600)
+            write_atomically(self.path, json.dumps(doc, indent=1) + "\n", mode=0o600, durable=True)
         except OSError as exc:
             raise CheckpointError(
                 f"cannot write the DRA checkpoint {self.path}: {exc.strerror or exc}"

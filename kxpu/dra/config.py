@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kxpu.dra.names import check_driver_name
@@ -39,6 +39,18 @@ class DraSharesConfig(BaseModel):
         if "{i}" not in value:
             raise ValueError("memoryLimitEnv needs {i} (the device's index in the container's request)")
         return value
+
+    @model_validator(mode="after")
+    def _min_on_the_step(self) -> DraSharesConfig:
+        # The API server wants (default - min) % step == 0 for a capacity's request policy
+        # (validateRequestPolicyRangeStep); the default is a multiple of the step, so min must be too, or
+        # every ResourceSlice of the driver is refused.
+        if self.min_memory_mib % self.memory_step_mib:
+            raise ValueError(
+                f"minMemoryMiB {self.min_memory_mib} must be a multiple of memoryStepMiB {self.memory_step_mib} "
+                "(the API server refuses a request policy whose default is not a whole number of steps from min)"
+            )
+        return self
 
 
 class DraConfig(BaseModel):

@@ -40,6 +40,7 @@ from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from kxpu.daemon.registration import FileIdentity, file_identity
 from kxpu.dra.names import is_dns_label
 from kxpu.dra.prepare import ClaimRef
+from kxpu.dra.quantity import parse_quantity
 from kxpu.dra.slices import MAX_DEVICES_PER_SLICE, MAX_DEVICES_PER_SLICE_WITH_TAINTS
 from kxpu.fswatch import directory_changes
 
@@ -60,6 +61,59 @@ def canonical_quantity(text: str) -> str:
         if value and value % _SUFFIX_BYTES[largest] == 0:
             return f"{value // _SUFFIX_BYTES[largest]}{largest}"
     return str(value)
+
+
+def _check_request_policy(capacity: Mapping[str, Any], where: str) -> None:
+    """The API server's rules for a consumable capacity's request policy (``validateRequestPolicy`` in
+    pkg/apis/resource/validation, integer quantities)."""
+    policy = capacity.get("requestPolicy")
+    if policy is None:
+        return
+    value = parse_quantity(capacity["value"])
+    valid_range, valid_values = policy.get("validRange"), policy.get("validValues")
+    if valid_range is not None and valid_values:
+        raise ApiRefused(
+            422,
+            f'{where}: Forbidden: exactly one policy can be specified, cannot specify "validValues" and "validRange" at the same time',
+        )
+    if valid_range is None and not valid_values:
+        return
+    if policy.get("default") is None:
+        raise ApiRefused(422, f"{where}.default: Required value")
+    default = parse_quantity(policy["default"])
+    if valid_values:
+        options = [parse_quantity(v) for v in valid_values]
+        if options != sorted(options) or any(o > value for o in options) or default not in options:
+            raise ApiRefused(422, f"{where}.validValues: Invalid value: {valid_values}")
+        return
+    if valid_range.get("min") is None:
+        raise ApiRefused(422, f"{where}.validRange.min: Required value: required when validRange is defined")
+    low = parse_quantity(valid_range["min"])
+    high = parse_quantity(valid_range["max"]) if valid_range.get("max") is not None else None
+    step = parse_quantity(valid_range["step"]) if valid_range.get("step") is not None else None
+    problems = []
+    if low > value:
+        problems.append(f"validRange.min: min is larger than capacity value: {capacity['value']}")
+    if default < low:
+        problems.append(f"validRange.default: default is less than min: {valid_range['min']}")
+    if high is not None and (low > high or high > value or default > high):
+        problems.append(f"validRange.max: Invalid value: {valid_range['max']}")
+    if step is not None:
+        if step <= 0:
+            problems.append("validRange.step: must be greater than zero")
+        else:
+            if low + step > value:
+                problems.append(
+                    f"validRange.step: one step is larger than capacity value: {capacity['value']}"
+                )
+            for checked in (default, high):
+                if checked is not None and (checked - low) % step:
+                    problems.append(
+                        f"validRange.step: Invalid value: {checked}: value is not a multiple of a given step "
+                        f"({valid_range['step']}) from ({valid_range['min']})"
+                    )
+    if problems:
+        raise ApiRefused(422, f"{where}: " + "; ".join(problems))
 
 
 class ApiRefused(Exception):
@@ -137,7 +191,10 @@ class FakeDraApi:
     def _check(self, body: Mapping[str, Any]) -> dict[str, Any]:
         stored = copy.deepcopy(dict(body))
         devices = stored["spec"].get("devices", [])
-        for device in devices:
+        for n, device in enumerate(devices):
+            for capacity_name, capacity in (device.get("capacity") or {}).items():
+                where = f"spec.devices[{n}].capacity[{capacity_name}].requestPolicy"
+                _check_request_policy(capacity, where)
             if not self.taints:
                 device.pop("taints", None)
             for taint in device.get("taints", []):  # the server stamps a taint when it first sees it
