@@ -197,11 +197,27 @@ def test_restarts_keep_prepared_claims(e2e: E2E) -> None:
 
     daemon.stop(signal.SIGKILL)
     daemon.start()
+    # kxpu fully back (registered, its pool published) before the kubelet restarts: a starting kubelet deletes
+    # every ResourceSlice of its node, and only a driver that watches its slices publishes them again.
+    kube.wait_until(
+        "the restarted kxpu registered",
+        lambda: "registered with the kubelet" in daemon.log_text().rsplit("--- start", 1)[-1] or None,
+        60,
+    )
+    before_uids = {s["metadata"]["uid"] for s in dra.slices(e2e.cluster, DRIVER)}
+    assert before_uids
     e2e.cluster.stop_kubelet()
     e2e.cluster.start_kubelet()
     kube.wait_until("node Ready after the kubelet restart", lambda: kube.node_ready(e2e.cluster) or None, 120)
     socket = REGISTRY / f"{DRIVER}-reg.sock"
     kube.wait_until("kxpu's registration socket", lambda: socket.is_socket() or None, 30)
+
+    def published_again() -> bool | None:
+        now = dra.slices(e2e.cluster, DRIVER)
+        fresh = now and not {s["metadata"]["uid"] for s in now} & before_uids
+        return (fresh and len(dra.pool_devices(e2e.cluster, DRIVER)) == 4) or None
+
+    kube.wait_until("the slices the kubelet wiped published again", published_again, 60)
 
     second = dra.claim_pod(e2e, "second", REPORT, template)
     kube.wait_pod_phase(e2e.cluster, second.name, "Running", timeout=120)

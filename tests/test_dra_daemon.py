@@ -412,3 +412,26 @@ async def test_reload_that_drops_dra_is_refused_while_claims_are_prepared(rig: R
     await rig.daemon.reload()
     assert rig.daemon.config is current[0]
     await eventually(lambda: not rig.api.slices)
+
+
+async def test_a_stopped_plugin_closes_its_api_client(rig: Rig) -> None:
+    """Each start of a resource's DRA half makes a new API client (cli._dra): the old one's connections are
+    closed when it stops, not leaked on every restart of the runner."""
+    from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+
+    closed: list[bool] = []
+
+    async def close() -> None:
+        closed.append(True)
+
+    snapshot = DeviceSnapshot()
+    backend = SimulatedBackend(SimulatedConfig(count=1, model="sim"))
+    await snapshot.update(backend.discover())
+    plugin = DraPlugin(
+        NPU, DRIVER, NODE, backend, snapshot, rig.plugins, rig.registry, rig.api, rig.api, close=close
+    )
+    task = asyncio.create_task(plugin.run())
+    await rig.kubelet.wait_registered(DRIVER)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert closed == [True]

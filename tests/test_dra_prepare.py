@@ -102,6 +102,7 @@ async def test_refusals_name_the_problem_and_post_an_event(rig: Rig) -> None:
         ),
     }
     refs = {name: rig.api.add_claim(name, results) for name, (results, _) in cases.items()}
+    rig.cdi.mkdir(parents=True)  # as on a node: the directory is there, and must stay empty
     gone = ClaimRef("default", "uid-gone", "gone")
     answers = await rig.preparer.prepare([*refs.values(), gone])
     for name, (_, message) in cases.items():
@@ -110,7 +111,7 @@ async def test_refusals_name_the_problem_and_post_an_event(rig: Rig) -> None:
     assert {reason for _, reason, _ in rig.api.events} == {"KxpuPrepareFailed"}
     assert len(rig.api.events) == 4
     assert rig.preparer.checkpoint.claims == {}
-    assert not list(rig.cdi.glob("*.json")) if rig.cdi.exists() else True
+    assert list(rig.cdi.iterdir()) == [], "a refused claim left a CDI spec behind"
 
 
 async def test_a_recreated_claim_is_refused(rig: Rig) -> None:
@@ -212,11 +213,20 @@ async def test_many_devices_in_one_request(tmp_path: Path) -> None:
     assert env == ["NPU_VISIBLE_DEVICES=" + ",".join(f"sim-{i}" for i in range(64))]
 
 
-def test_devices_are_looked_up_by_their_dra_name(tmp_path: Path) -> None:
+async def test_devices_are_looked_up_by_their_dra_name(tmp_path: Path) -> None:
+    """A kxpu ID that is not a DNS label is published under its DRA name; the scheduler allocates that name,
+    and prepare finds the device by it (and not by the raw ID)."""
     rig = Rig(tmp_path)
     odd = Device(id="Sim_0:x")
     rig.preparer.update_devices({odd.id: odd})
     assert device_name(odd.id) != odd.id
+    by_name = rig.api.add_claim("by-name", [result(device_name(odd.id))])
+    answer = (await rig.preparer.prepare([by_name]))[by_name.uid]
+    assert answer.error is None and [(d.device, d.id) for d in answer.devices] == [
+        (device_name(odd.id), odd.id)
+    ]
+    by_id = rig.api.add_claim("by-id", [result(odd.id)])
+    assert "is not one of driver" in ((await rig.preparer.prepare([by_id]))[by_id.uid].error or "")
 
 
 async def test_admin_access_takes_nothing_from_the_devices_users(rig: Rig) -> None:

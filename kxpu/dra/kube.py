@@ -41,6 +41,12 @@ class DraKube:
         self.driver = driver
         self._client = client
 
+    async def close(self) -> None:
+        """Close the connection pool (each start of the resource's DRA half makes a new DraKube)."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
     @property
     def client(self) -> AsyncClient:
         if self._client is None:

@@ -26,7 +26,7 @@ import contextlib
 import enum
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,8 +165,10 @@ class DraPlugin:
         claims: ClaimSource,
         settings: DraConfig | None = None,
         pod_resources: Path | None = None,
+        close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         settings = settings or DraConfig()
+        self._close = close  # what this plugin's API client needs when the plugin stops
         self.backend = backend
         self.pod_resources = pod_resources
         # Devices pods still hold through the device plugin (this node served the resource that way before):
@@ -265,6 +267,11 @@ class DraPlugin:
             await self.dra.stop(0.5)
             self.registered = False
             metrics.DRIVER_REGISTERED.labels(self.driver).set(0)
+            if self._close is not None:
+                try:
+                    await self._close()
+                except Exception as exc:
+                    self.log.warning("cannot close the API client", error=error_text(exc))
 
     async def _load_checkpoint(self) -> None:
         await asyncio.to_thread(self.checkpoint.load)

@@ -51,13 +51,13 @@ class SliceApi(Protocol):
 
 
 def slice_name(node: str, driver: str, index: int) -> str:
-    """``<node>-<driver>-<index>``: stable (updated in place), unique per node and driver, a DNS subdomain."""
+    """``<node>-<driver>-<hash>-<index>``: stable (updated in place), a DNS subdomain, and unique per node and
+    driver: the hash of the pair keeps node ``a-b`` with driver ``c.io`` apart from node ``a`` with driver
+    ``b-c.io`` (both ``a-b-c.io`` once joined), and names cut to fit apart."""
+    digest = hashlib.sha256(f"{node}\x00{driver}".encode()).hexdigest()[:8]
     raw = _NAME_UNSAFE.sub("-", f"{node}-{driver}".lower()).strip("-.")
-    suffix = f"-{index}"
-    if len(raw) + len(suffix) > MAX_NAME:
-        digest = hashlib.sha256(raw.encode()).hexdigest()[:10]
-        raw = raw[: MAX_NAME - len(suffix) - 11].rstrip("-.") + "-" + digest
-    return raw + suffix
+    suffix = f"-{digest}-{index}"
+    return raw[: MAX_NAME - len(suffix)].rstrip("-.") + suffix
 
 
 def _slice_order(obj: Mapping[str, Any]) -> tuple[int, str]:
