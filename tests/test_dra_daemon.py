@@ -17,7 +17,7 @@ import pytest
 from kxpu.cli import _build
 from kxpu.config import Config, ResourceConfig, parse_config
 from kxpu.daemon import Daemon, Phase
-from kxpu.daemon.servicer import DeviceSnapshot
+from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra.plugin import DraPlugin
 from kxpu.model import Backend
 from kxpu.testing.dra import DraKubeletStandIn, FakeDraApi
@@ -435,3 +435,22 @@ async def test_a_stopped_plugin_closes_its_api_client(rig: Rig) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert closed == [True]
+
+
+async def test_a_socket_grpc_cannot_bind_is_retried_not_fatal(rig: Rig) -> None:
+    """gRPC reports a bind failure as RuntimeError("Failed to bind"), not OSError: the driver logs it and
+    retries (the directory may be fixed), rather than the whole resource failing on it."""
+    from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+    from kxpu.dra.plugin import DraPhase
+
+    deep = rig.root / ("d" * 100)  # past what a unix socket address holds, even for the short private name
+    snapshot = DeviceSnapshot()
+    backend = SimulatedBackend(SimulatedConfig(count=1, model="sim"))
+    await snapshot.update(backend.discover())
+    plugin = DraPlugin(NPU, DRIVER, NODE, backend, snapshot, deep, rig.registry, rig.api, rig.api)
+    task = asyncio.create_task(plugin.run())
+    done, _ = await asyncio.wait([task], timeout=1.0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert not done, f"the plugin stopped: {task.exception() if task.done() and not task.cancelled() else ''}"
+    assert plugin.phase is DraPhase.STARTING

@@ -9,10 +9,30 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from kxpu.dra.names import check_driver_name
+from kxpu.sockets import MAX_SOCKET_PATH
 
 DEFAULT_KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 DEFAULT_PLUGINS_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
+
+
+def dra_socket(plugins_dir: Path, driver: str) -> Path:
+    return plugins_dir / driver / "dra.sock"
+
+
+def registration_socket(registry_dir: Path, driver: str) -> Path:
+    return registry_dir / f"{driver}-reg.sock"
+
+
+def check_dra_socket_paths(plugins_dir: Path, registry_dir: Path, driver: str) -> None:
+    """Refuse at load what bind() would refuse at serve time."""
+    for path in (dra_socket(plugins_dir, driver), registration_socket(registry_dir, driver)):
+        size = len(str(path).encode())
+        if size > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"socket path {path} for DRA driver {driver} is {size} bytes; unix sockets allow {MAX_SOCKET_PATH}: "
+                "use shorter kubeletPluginsDir/pluginsRegistryDir or dra.driverName"
+            )
 
 
 class DraSharesConfig(BaseModel):

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import enum
 import os
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,11 @@ from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.holders import HolderError, list_pod_resources
 from kxpu.daemon.registration import FileIdentity, file_identity
-from kxpu.daemon.servicer import DeviceSnapshot
 from kxpu.daemon.serving import stop_server
+from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import Checkpoint
-from kxpu.dra.config import DraConfig
+from kxpu.dra.config import DraConfig, dra_socket, registration_socket
 from kxpu.dra.prepare import ClaimSource, Preparer
 from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
@@ -48,6 +47,7 @@ from kxpu.dra.slices import SharePolicy
 from kxpu.fswatch import directory_changes
 from kxpu.logs import error_text, get_logger
 from kxpu.model import Backend, Partitioner
+from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.dra.plugin")
@@ -57,7 +57,6 @@ HELD_POLL_SECONDS = 5.0
 # The watch of the driver's slices repairs deletions at once; a full re-list this often as well, in case a
 # watch event was lost (one filtered LIST per node and driver).
 RELIST_SECONDS = 300.0
-MAX_SOCKET_PATH = 107  # sockaddr_un holds 108 bytes including the NUL
 # gRPC messages: a NodePrepareResources call names at most a few hundred claims; nothing legitimate is near this.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
@@ -67,37 +66,6 @@ class DraPhase(enum.StrEnum):
     WAITING_FOR_KUBELET = "waiting-for-kubelet"
     REGISTERED = "registered"
     STANDBY = "standby"
-
-
-def dra_socket(plugins_dir: Path, driver: str) -> Path:
-    return plugins_dir / driver / "dra.sock"
-
-
-def registration_socket(registry_dir: Path, driver: str) -> Path:
-    return registry_dir / f"{driver}-reg.sock"
-
-
-def check_dra_socket_paths(plugins_dir: Path, registry_dir: Path, driver: str) -> None:
-    """Refuse at load what bind() would refuse at serve time."""
-    for path in (dra_socket(plugins_dir, driver), registration_socket(registry_dir, driver)):
-        size = len(str(path).encode())
-        if size > MAX_SOCKET_PATH:
-            raise ValueError(
-                f"socket path {path} for DRA driver {driver} is {size} bytes; unix sockets allow {MAX_SOCKET_PATH}: "
-                "use shorter kubeletPluginsDir/pluginsRegistryDir or dra.driverName"
-            )
-
-
-def _live_socket(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.setblocking(False)
-        try:
-            probe.connect(str(path))
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        return True
 
 
 class _Served:
@@ -115,7 +83,7 @@ class _Served:
 
     def taken_by_another(self) -> bool:
         current = file_identity(self.path)
-        return current is not None and current != self.identity and _live_socket(self.path)
+        return current is not None and current != self.identity and live_socket(self.path)
 
     async def serve(self) -> None:
         await self.stop()
@@ -312,9 +280,13 @@ class DraPlugin:
                 elif self.registered:
                     self.phase = DraPhase.REGISTERED
                 backoff.reset()
-            except OSError as exc:
+            except (OSError, RuntimeError) as exc:  # gRPC's bind failure is a RuntimeError ("Failed to bind")
                 delay = backoff.next_delay()
-                self.log.error("cannot serve the DRA sockets; retrying", error=str(exc), retry_in_s=delay)
+                self.log.error(
+                    "cannot serve the DRA sockets; retrying",
+                    error=error_text(exc),
+                    retry_in_s=round(delay, 2),
+                )
                 await wait_event(self._poked, delay)
                 continue
             await wait_event(self._poked, RESYNC_SECONDS)
