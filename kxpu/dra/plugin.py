@@ -344,7 +344,7 @@ class DraPlugin:
                     backoff.reset()
                     if not self.publisher.is_current(kind, obj):
                         self._republish.set()
-                delay = 0.0  # the server closed the watch: start another (and check meanwhile)
+                delay = 1.0  # the watch ended without an error: start another (and check meanwhile)
             except Exception as exc:  # the API server's answer or the connection's failure: retried
                 delay = backoff.next_delay()
                 self.log.warning(
