@@ -326,6 +326,32 @@ def test_publisher_against_the_api_server(e2e: E2E, monkeypatch: Any) -> None:
     assert pool[0]["taints"][0]["value"] == "xid-79"
     generations = {s["spec"]["pool"]["generation"] for s in dra.slices(e2e.cluster, driver)}
     assert generations == {publisher.generation}, "every slice of the pool moved to the new generation"
+
+    async def deletion_seen_and_repaired() -> None:
+        """The driver's watch (field selectors on spec.driver and spec.nodeName) tells a deletion by someone
+        else from the echo of its own writes, and a publish puts the pool back."""
+        api = DraKube(driver)
+        watcher = SlicePublisher(api, driver, ghost, "taint")
+        await watcher.publish(sick)  # up to date: nothing written, the slices known
+        victim = sorted(watcher.known)[1]
+        events = api.watch_slices(driver, ghost)
+        async with asyncio.timeout(30):
+            seen: set[str] = set()
+            async for kind, obj in events:  # first an ADDED for each slice there: all of them known
+                assert watcher.is_current(kind, obj), (kind, obj["metadata"]["name"])
+                seen.add(obj["metadata"]["name"])
+                if seen >= watcher.known.keys():
+                    break
+            await asyncio.to_thread(e2e.cluster.kubectl, "delete", "resourceslice", victim)
+            async for kind, obj in events:
+                if not watcher.is_current(kind, obj):
+                    assert (kind, obj["metadata"]["name"]) == ("DELETED", victim)
+                    break
+        assert await watcher.publish(sick)
+        await api.close()
+
+    asyncio.run(deletion_seen_and_repaired())
+    assert len(dra.pool_devices(e2e.cluster, driver, ghost)) == 300
     e2e.cluster.kubectl("delete", "node", ghost)
     kube.wait_until(
         "the ghost node's slices garbage-collected", lambda: not dra.slices(e2e.cluster, driver) or None, 90
