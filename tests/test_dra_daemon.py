@@ -340,6 +340,8 @@ async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_curre
     no ResourceSlice, and when the first is gone it serves the claims the first prepared meanwhile."""
     from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
     from kxpu.dra.config import DraConfig
+    from kxpu.dra.metrics import CLAIMS_PREPARED as PREPARED
+    from kxpu.dra.metrics import DRIVER_REGISTERED as REGISTERED
     from kxpu.dra.plugin import DraPhase
 
     def plugin(api: FakeDraApi) -> tuple[DraPlugin, DeviceSnapshot]:
@@ -372,6 +374,8 @@ async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_curre
     second_task = asyncio.create_task(second.run())
     try:
         await eventually(lambda: second.phase is DraPhase.STANDBY)
+        # One process per node in life: the standby one says it is not registered.
+        assert REGISTERED.labels(DRIVER)._value.get() == 0
         claim = rig.api.add_claim("c", [result("sim-0")])
         second_api.claims = rig.api.claims
         assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
@@ -379,8 +383,10 @@ async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_curre
         assert second_api.slices == {}
         first_task.cancel()
         await asyncio.gather(first_task, return_exceptions=True)
+        PREPARED.labels(DRIVER).set(-1)  # whatever the first said: the second must say what it loaded
         await rig.kubelet.wait_registered(DRIVER, times=2)
         await eventually(lambda: second.phase is DraPhase.REGISTERED)
+        assert PREPARED.labels(DRIVER)._value.get() == 1  # from the checkpoint it reloaded
         await eventually(lambda: len(second_api.pool(DRIVER, NODE)) == 4)
         other = rig.api.add_claim("d", [result("sim-0")])
         assert "already prepared" in (await rig.kubelet.prepare(DRIVER, other)).claims[other.uid].error
