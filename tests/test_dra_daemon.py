@@ -381,9 +381,9 @@ async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_curre
         assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
         await asyncio.sleep(0.3)  # a standby publisher would have written by now
         assert second_api.slices == {}
+        PREPARED.labels(DRIVER).set(-1)  # whatever the first said: the second must say what it loaded
         first_task.cancel()
         await asyncio.gather(first_task, return_exceptions=True)
-        PREPARED.labels(DRIVER).set(-1)  # whatever the first said: the second must say what it loaded
         await rig.kubelet.wait_registered(DRIVER, times=2)
         await eventually(lambda: second.phase is DraPhase.REGISTERED)
         assert PREPARED.labels(DRIVER)._value.get() == 1  # from the checkpoint it reloaded
