@@ -369,7 +369,7 @@ class Daemon:
         """Per resource that the new config stops serving through DRA: the claims still prepared for it."""
         left: dict[str, list[str]] = {}
         for name, running in self._running.items():
-            dra = running.runner.dra
+            dra = running.runner.last_dra  # a DRA half failing and retrying still has its claims
             if dra is None or (name in wanted and wanted[name].serve == "dra"):
                 continue
             claims = sorted(c["claim"] for c in dra.describe().get("claims", {}).values())

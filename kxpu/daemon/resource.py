@@ -53,6 +53,11 @@ class DraServer(Protocol):
 
     def poke(self) -> None: ...
 
+    @property
+    def last_dra(self) -> DraServer | None:
+        """The DRA server serving this resource now, or the last one (between a failure and the retry)."""
+        return self.dra or self._last_dra
+
     async def withdraw(self) -> None: ...
 
     def describe(self) -> dict[str, Any]:
@@ -274,6 +279,11 @@ class ResourceRunner:
                 tasks.create_task(self.dra.run())
         finally:
             self.dra = None
+
+    @property
+    def last_dra(self) -> DraServer | None:
+        """The DRA server serving this resource now, or the last one (between a failure and the retry)."""
+        return self.dra or self._last_dra
 
     async def withdraw(self) -> None:
         """Called after the runner stopped because its resource left the config."""
