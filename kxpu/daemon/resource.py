@@ -53,11 +53,6 @@ class DraServer(Protocol):
 
     def poke(self) -> None: ...
 
-    @property
-    def last_dra(self) -> DraServer | None:
-        """The DRA server serving this resource now, or the last one (between a failure and the retry)."""
-        return self.dra or self._last_dra
-
     async def withdraw(self) -> None: ...
 
     def describe(self) -> dict[str, Any]:
