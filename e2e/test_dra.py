@@ -197,11 +197,27 @@ def test_restarts_keep_prepared_claims(e2e: E2E) -> None:
 
     daemon.stop(signal.SIGKILL)
     daemon.start()
+    # kxpu fully back (registered, its pool published) before the kubelet restarts: a starting kubelet deletes
+    # every ResourceSlice of its node, and only a driver that watches its slices publishes them again.
+    kube.wait_until(
+        "the restarted kxpu registered",
+        lambda: "registered with the kubelet" in daemon.log_text().rsplit("--- start", 1)[-1] or None,
+        60,
+    )
+    before_uids = {s["metadata"]["uid"] for s in dra.slices(e2e.cluster, DRIVER)}
+    assert before_uids
     e2e.cluster.stop_kubelet()
     e2e.cluster.start_kubelet()
     kube.wait_until("node Ready after the kubelet restart", lambda: kube.node_ready(e2e.cluster) or None, 120)
     socket = REGISTRY / f"{DRIVER}-reg.sock"
     kube.wait_until("kxpu's registration socket", lambda: socket.is_socket() or None, 30)
+
+    def published_again() -> bool | None:
+        now = dra.slices(e2e.cluster, DRIVER)
+        fresh = now and not {s["metadata"]["uid"] for s in now} & before_uids
+        return (fresh and len(dra.pool_devices(e2e.cluster, DRIVER)) == 4) or None
+
+    kube.wait_until("the slices the kubelet wiped published again", published_again, 60)
 
     second = dra.claim_pod(e2e, "second", REPORT, template)
     kube.wait_pod_phase(e2e.cluster, second.name, "Running", timeout=120)
@@ -310,6 +326,32 @@ def test_publisher_against_the_api_server(e2e: E2E, monkeypatch: Any) -> None:
     assert pool[0]["taints"][0]["value"] == "xid-79"
     generations = {s["spec"]["pool"]["generation"] for s in dra.slices(e2e.cluster, driver)}
     assert generations == {publisher.generation}, "every slice of the pool moved to the new generation"
+
+    async def deletion_seen_and_repaired() -> None:
+        """The driver's watch (field selectors on spec.driver and spec.nodeName) tells a deletion by someone
+        else from the echo of its own writes, and a publish puts the pool back."""
+        api = DraKube(driver)
+        watcher = SlicePublisher(api, driver, ghost, "taint")
+        await watcher.publish(sick)  # up to date: nothing written, the slices known
+        victim = sorted(watcher.known)[1]
+        events = api.watch_slices(driver, ghost)
+        async with asyncio.timeout(30):
+            seen: set[str] = set()
+            async for kind, obj in events:  # first an ADDED for each slice there: all of them known
+                assert watcher.is_current(kind, obj), (kind, obj["metadata"]["name"])
+                seen.add(obj["metadata"]["name"])
+                if seen >= watcher.known.keys():
+                    break
+            await asyncio.to_thread(e2e.cluster.kubectl, "delete", "resourceslice", victim)
+            async for kind, obj in events:
+                if not watcher.is_current(kind, obj):
+                    assert (kind, obj["metadata"]["name"]) == ("DELETED", victim)
+                    break
+        assert await watcher.publish(sick)
+        await api.close()
+
+    asyncio.run(deletion_seen_and_repaired())
+    assert len(dra.pool_devices(e2e.cluster, driver, ghost)) == 300
     e2e.cluster.kubectl("delete", "node", ghost)
     kube.wait_until(
         "the ghost node's slices garbage-collected", lambda: not dra.slices(e2e.cluster, driver) or None, 90

@@ -8,16 +8,29 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write to a temp file in the same directory, then rename over ``path``."""
+def write_atomically(path: Path, text: str, mode: int = 0o644, durable: bool = False) -> None:
+    """Write to a temp file in the same directory, then rename over ``path``.
+
+    ``durable``: the content is on disk before the rename and the rename is on disk before returning (fsync
+    of the file, then of the directory), so a power loss leaves the old file or the new one, never an empty
+    one; for records that must survive (the DRA checkpoint), at the price of the disk's flush latency."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as out:
             out.write(text)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    if durable:
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)

@@ -201,6 +201,7 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         kube,
         resource.dra,
         config.pod_resources_socket,
+        close=kube.close,
     )
 
 

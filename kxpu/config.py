@@ -18,7 +18,12 @@ from pydantic.alias_generators import to_camel
 import kxpu.backends  # noqa: F401  (registers the built-in backends)
 from kxpu.backends.registry import BackendConfig, known_keys, lookup
 from kxpu.cdi.spec import validate_kind
-from kxpu.dra.config import DEFAULT_KUBELET_PLUGINS_DIR, DEFAULT_PLUGINS_REGISTRY_DIR, DraConfig
+from kxpu.dra.config import (
+    DEFAULT_KUBELET_PLUGINS_DIR,
+    DEFAULT_PLUGINS_REGISTRY_DIR,
+    DraConfig,
+    check_dra_socket_paths,
+)
 from kxpu.dra.names import default_driver_name
 from kxpu.logs import one_line
 from kxpu.sharing.config import SharingConfig
@@ -240,8 +245,6 @@ class Config(_Model):
 
     @model_validator(mode="after")
     def _dra_socket_paths(self) -> Config:
-        from kxpu.dra.plugin import check_dra_socket_paths
-
         for resource in self.resources:
             if resource.serve == "dra":
                 check_dra_socket_paths(

@@ -19,8 +19,9 @@ import pytest
 from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.config import check_extended_resource_name
 from kxpu.daemon import check_socket_paths, socket_name
-from kxpu.daemon.resource import MAX_PLUGIN_DIR, MAX_SOCKET_PATH
+from kxpu.daemon.resource import MAX_PLUGIN_DIR
 from kxpu.daemon.wire import KUBELET_MAX_MESSAGE_BYTES, REGISTRATION_MAX_MESSAGE_BYTES
+from kxpu.sockets import MAX_SOCKET_PATH
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.kubelet import sockets_in
 from kxpu.testing.process import DaemonProcess

@@ -17,7 +17,7 @@ import pytest
 from kxpu.cli import _build
 from kxpu.config import Config, ResourceConfig, parse_config
 from kxpu.daemon import Daemon, Phase
-from kxpu.daemon.servicer import DeviceSnapshot
+from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra.plugin import DraPlugin
 from kxpu.model import Backend
 from kxpu.testing.dra import DraKubeletStandIn, FakeDraApi
@@ -35,7 +35,7 @@ class Rig:
         self.cdi = root / "cdi"
         self.state = root / "state.json"
         self.api = FakeDraApi({NODE: "uid-a"})
-        self.kubelet = DraKubeletStandIn(self.registry)
+        self.kubelet = DraKubeletStandIn(self.registry, self.api, NODE)
         self.daemon: Daemon | None = None
         self.task: asyncio.Task[int] | None = None
 
@@ -182,6 +182,33 @@ async def test_kubelet_restart_and_a_removed_socket_register_again(rig: Rig) -> 
     assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
 
 
+async def test_slices_come_back_after_a_kubelet_restart_wipes_them(rig: Rig) -> None:
+    """The kubelet deletes every ResourceSlice of its node when it starts (and a driver's 30 s after losing
+    it); an admin may delete them too: the driver publishes them again, within a second."""
+    await rig.start()
+    await rig.kubelet.wait_registered(DRIVER)
+    await eventually(lambda: len(rig.pool()) == 4)
+    await rig.kubelet.restart()
+    await rig.kubelet.wait_registered(DRIVER, times=2, timeout=5)
+    await eventually(lambda: len(rig.pool()) == 4, timeout=1.5)
+    assert rig.api.delete_node_slices(NODE, DRIVER)  # by hand, with the driver registered
+    await eventually(lambda: len(rig.pool()) == 4, timeout=1.5)
+
+
+async def test_a_recreated_node_gets_slices_it_owns(rig: Rig) -> None:
+    """The Node object deleted and created again (same name, new UID): the garbage collector removes the slices
+    the old Node owned, and the driver publishes new ones owned by the new Node."""
+    await rig.start()
+    await eventually(lambda: len(rig.pool()) == 4)
+    rig.api.nodes[NODE] = "uid-a2"
+    for name, obj in list(rig.api.slices.items()):  # the garbage collector, for the old owner
+        if obj["metadata"]["ownerReferences"][0]["uid"] == "uid-a":
+            await rig.api.delete_slice(name)
+    await eventually(lambda: len(rig.pool()) == 4, timeout=1.5)
+    owners = {o["metadata"]["ownerReferences"][0]["uid"] for o in rig.api.slices.values()}
+    assert owners == {"uid-a2"}
+
+
 async def test_v1beta1_kubelets_are_served(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kxpu.testing.dra.KUBELET_SERVICES", ("v1beta1.DRAPlugin",))
     await rig.start()
@@ -190,6 +217,10 @@ async def test_v1beta1_kubelets_are_served(rig: Rig, monkeypatch: pytest.MonkeyP
     claim = rig.api.add_claim("c", [result("sim-0")])
     answer = (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid]
     assert answer.error == "" and answer.devices[0].device_name == "sim-0"
+    spec = rig.cdi / f"kxpu-dra-{DRIVER}-{claim.uid}.json"
+    assert spec.exists()
+    assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
+    assert not spec.exists()
 
 
 async def test_api_errors_are_retried_and_readiness_waits_for_the_slices(rig: Rig) -> None:
@@ -300,3 +331,132 @@ async def test_kxpu_status_shows_claims_and_their_shares(rig: Rig) -> None:
     holders = {d.id: d.holders for d in status.devices}
     assert holders["sim-1"] == ["claim default/c (4096 MiB, 25%)"]
     assert "claim default/c (4096 MiB, 25%)" in format_table(status)
+
+
+async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_current_checkpoint(
+    rig: Rig,
+) -> None:
+    """A second process on the same node (an update's new pod before the old one stops) stands by: it writes
+    no ResourceSlice, and when the first is gone it serves the claims the first prepared meanwhile."""
+    from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+    from kxpu.dra.config import DraConfig
+    from kxpu.dra.metrics import CLAIMS_PREPARED as PREPARED
+    from kxpu.dra.metrics import DRIVER_REGISTERED as REGISTERED
+    from kxpu.dra.plugin import DraPhase
+
+    def plugin(api: FakeDraApi) -> tuple[DraPlugin, DeviceSnapshot]:
+        backend = SimulatedBackend(SimulatedConfig(count=4, model="sim"))
+        snapshot = DeviceSnapshot()
+        return (
+            DraPlugin(
+                NPU,
+                DRIVER,
+                NODE,
+                backend,
+                snapshot,
+                rig.plugins,
+                rig.registry,
+                api,
+                api,
+                DraConfig(cdi_spec_dir=rig.cdi),
+            ),
+            snapshot,
+        )
+
+    first, snap = plugin(rig.api)
+    await snap.update(first.backend.discover())
+    first_task = asyncio.create_task(first.run())
+    await rig.kubelet.wait_registered(DRIVER)
+    await eventually(lambda: len(rig.pool()) == 4)
+    second_api = FakeDraApi({NODE: "uid-a"})
+    second, snap2 = plugin(second_api)
+    await snap2.update(second.backend.discover())
+    second_task = asyncio.create_task(second.run())
+    try:
+        await eventually(lambda: second.phase is DraPhase.STANDBY)
+        # One process per node in life: the standby one says it is not registered.
+        assert REGISTERED.labels(DRIVER)._value.get() == 0
+        claim = rig.api.add_claim("c", [result("sim-0")])
+        second_api.claims = rig.api.claims
+        assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+        await asyncio.sleep(0.3)  # a standby publisher would have written by now
+        assert second_api.slices == {}
+        PREPARED.labels(DRIVER).set(-1)  # whatever the first said: the second must say what it loaded
+        first_task.cancel()
+        await asyncio.gather(first_task, return_exceptions=True)
+        await rig.kubelet.wait_registered(DRIVER, times=2)
+        await eventually(lambda: second.phase is DraPhase.REGISTERED)
+        assert PREPARED.labels(DRIVER)._value.get() == 1  # from the checkpoint it reloaded
+        await eventually(lambda: len(second_api.pool(DRIVER, NODE)) == 4)
+        other = rig.api.add_claim("d", [result("sim-0")])
+        assert "already prepared" in (await rig.kubelet.prepare(DRIVER, other)).claims[other.uid].error
+        spec = rig.cdi / f"kxpu-dra-{DRIVER}-{claim.uid}.json"
+        assert spec.exists()
+        assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
+        assert not spec.exists()
+    finally:
+        for task in (first_task, second_task):
+            task.cancel()
+        await asyncio.gather(first_task, second_task, return_exceptions=True)
+
+
+async def test_reload_that_drops_dra_is_refused_while_claims_are_prepared(rig: Rig) -> None:
+    """Prepared claims could no longer be unprepared (pods stuck Terminating) and the device plugin would offer
+    devices DRA containers hold: the reload is refused until the claims are gone, then applied."""
+    current = [rig.config()]
+    await rig.start(current[0], reload=lambda: current[0])
+    await rig.kubelet.wait_registered(DRIVER)
+    await eventually(lambda: len(rig.pool()) == 4)
+    claim = rig.api.add_claim("c", [result("sim-0")])
+    assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+    current[0] = rig.config(serve="devicePlugin", dra={"nodeName": NODE, "cdiSpecDir": str(rig.cdi)})
+    assert rig.daemon is not None
+    await rig.daemon.reload()
+    assert rig.daemon.config is not current[0], "the reload was applied"
+    assert len(rig.pool()) == 4
+    assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
+    await rig.daemon.reload()
+    assert rig.daemon.config is current[0]
+    await eventually(lambda: not rig.api.slices)
+
+
+async def test_a_stopped_plugin_closes_its_api_client(rig: Rig) -> None:
+    """Each start of a resource's DRA half makes a new API client (cli._dra): the old one's connections are
+    closed when it stops, not leaked on every restart of the runner."""
+    from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+
+    closed: list[bool] = []
+
+    async def close() -> None:
+        closed.append(True)
+
+    snapshot = DeviceSnapshot()
+    backend = SimulatedBackend(SimulatedConfig(count=1, model="sim"))
+    await snapshot.update(backend.discover())
+    plugin = DraPlugin(
+        NPU, DRIVER, NODE, backend, snapshot, rig.plugins, rig.registry, rig.api, rig.api, close=close
+    )
+    task = asyncio.create_task(plugin.run())
+    await rig.kubelet.wait_registered(DRIVER)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert closed == [True]
+
+
+async def test_a_socket_grpc_cannot_bind_is_retried_not_fatal(rig: Rig) -> None:
+    """gRPC reports a bind failure as RuntimeError("Failed to bind"), not OSError: the driver logs it and
+    retries (the directory may be fixed), rather than the whole resource failing on it."""
+    from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+    from kxpu.dra.plugin import DraPhase
+
+    deep = rig.root / ("d" * 100)  # past what a unix socket address holds, even for the short private name
+    snapshot = DeviceSnapshot()
+    backend = SimulatedBackend(SimulatedConfig(count=1, model="sim"))
+    await snapshot.update(backend.discover())
+    plugin = DraPlugin(NPU, DRIVER, NODE, backend, snapshot, deep, rig.registry, rig.api, rig.api)
+    task = asyncio.create_task(plugin.run())
+    done, _ = await asyncio.wait([task], timeout=1.0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert not done, f"the plugin stopped: {task.exception() if task.done() and not task.cancelled() else ''}"
+    assert plugin.phase is DraPhase.STARTING

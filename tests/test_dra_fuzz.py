@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kxpu.api.dra.v1 import api_pb2 as dra
 from kxpu.api.dra.v1 import api_pb2_grpc as dra_grpc
 from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
-from kxpu.daemon.servicer import DeviceSnapshot
+from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra.claims import ClaimError, allocation_for
 from kxpu.dra.config import DraConfig
 from kxpu.dra.plugin import MAX_MESSAGE_BYTES, DraPlugin

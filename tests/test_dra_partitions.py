@@ -3,6 +3,9 @@ the driver refusing to prepare partitions that overlap."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +13,11 @@ import pytest
 
 from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
 from kxpu.config import ConfigError, parse_config
-from kxpu.dra.checkpoint import Checkpoint
+from kxpu.dra.checkpoint import Checkpoint, CheckpointError
+from kxpu.dra.config import DraSharesConfig
 from kxpu.dra.prepare import Preparer
 from kxpu.dra.slices import pool_content
-from kxpu.model import index_by_id
+from kxpu.model import BackendError, ContainerEdits, Device, index_by_id
 from kxpu.testing.dra import FakeDraApi
 
 DRIVER, NODE = "gpu.example.com", "node-a"
@@ -117,3 +121,100 @@ async def test_overlapping_partitions_are_never_prepared(tmp_path: Path) -> None
     await preparer.unprepare([first])
     again = api.add_claim("g", [result("sg-0-2g-0")])
     assert (await preparer.prepare([again]))[again.uid].error is None
+
+
+class Recording(SimulatedBackend):
+    """A simulated partitioner whose partitions exist only while realized (as MIG devices made on demand):
+    it records which are live, can be told to fail in allocate, and to hold realize until released."""
+
+    def __init__(self) -> None:
+        super().__init__(backend(1).config)
+        self.live: set[str] = set()
+        self.fail: Exception | None = None
+        self.entered = threading.Event()
+        self.made = threading.Event()
+        self.released = threading.Event()
+        self.gate: threading.Event | None = None
+
+    def realize(self, devices: Sequence[Device]) -> list[tuple[Device, dict[str, str | int]]]:
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.live.update(d.id for d in devices)
+        self.made.set()
+        return [(d, {"id": d.id}) for d in devices]
+
+    def release(self, handles: Sequence[Mapping[str, str | int]]) -> None:
+        for handle in handles:  # idempotent, as Partitioner.release must be
+            self.live.discard(str(handle["id"]))
+        self.released.set()
+
+    def allocate(self, devices: Sequence[Device]) -> ContainerEdits:
+        if self.fail is not None:
+            raise self.fail
+        return super().allocate(devices)
+
+
+def recording(tmp_path: Path) -> tuple[Recording, Preparer, FakeDraApi]:
+    b = Recording()
+    api = FakeDraApi()
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json", DRIVER)
+    return b, Preparer(DRIVER, NODE, b, index_by_id(b.discover()), checkpoint, tmp_path / "cdi", api), api
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [BackendError("the vendor library refused"), RuntimeError("a vendor library's surprise"), "opaque"],
+)
+async def test_a_failed_prepare_releases_the_partitions_it_made(tmp_path: Path, failure: Any) -> None:
+    b, preparer, api = recording(tmp_path)
+    if failure == "opaque":  # a ClaimError after realize: MPS asked of a backend that cannot enforce shares
+        params = {"apiVersion": "kxpu.io/v1alpha1", "kind": "DeviceConfig", "sharing": {"strategy": "MPS"}}
+        config = [{"opaque": {"driver": DRIVER, "parameters": params}}]
+        preparer.shares = DraSharesConfig()
+        claim = api.add_claim("a", [{**result("sg-0-3g-0"), "shareID": "s1"}], config=config)
+    else:
+        b.fail = failure
+        claim = api.add_claim("a", [result("sg-0-3g-0")])
+    answer = (await preparer.prepare([claim]))[claim.uid]
+    assert answer.error and "\n" not in answer.error
+    assert b.live == set(), "the partition made for the claim was left behind"
+    assert preparer.checkpoint.claims == {} and not list((tmp_path / "cdi").glob("*.json"))
+
+
+async def test_a_prepare_cancelled_while_realizing_releases_what_was_made(tmp_path: Path) -> None:
+    b, preparer, api = recording(tmp_path)
+    b.gate = threading.Event()
+    claim = api.add_claim("a", [result("sg-0-3g-0")])
+    call = asyncio.create_task(preparer.prepare([claim]))
+    assert await asyncio.to_thread(b.entered.wait, 5)
+    call.cancel()  # the kubelet's deadline
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    b.gate.set()  # the vendor call returns after all: its partition must not stay
+    assert await asyncio.to_thread(b.made.wait, 5)
+    assert await asyncio.to_thread(b.released.wait, 5)
+    assert b.live == set() and preparer.checkpoint.claims == {}
+
+
+async def test_unprepare_after_a_crash_between_release_and_save(tmp_path: Path) -> None:
+    """The partitions released, then the checkpoint not saved (a full disk, a crash): the claim stays prepared
+    in memory as on disk, and the next unprepare releases again (idempotent) and finishes."""
+    b, preparer, api = recording(tmp_path)
+    claim = api.add_claim("a", [result("sg-0-3g-0")])
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    assert b.live == {"sg-0-3g-0"}
+    save = preparer.checkpoint.save
+
+    def full_disk() -> None:
+        raise CheckpointError("cannot write the DRA checkpoint: No space left on device")
+
+    preparer.checkpoint.save = full_disk  # type: ignore[method-assign]
+    assert "No space left" in ((await preparer.unprepare([claim]))[claim.uid] or "")
+    assert b.live == set() and claim.uid in preparer.checkpoint.claims
+    preparer.checkpoint.save = save  # type: ignore[method-assign]
+    assert (await preparer.unprepare([claim]))[claim.uid] is None
+    assert preparer.checkpoint.claims == {}
+    reloaded = Checkpoint(tmp_path / "checkpoint.json", DRIVER)
+    reloaded.load()
+    assert reloaded.claims == {}

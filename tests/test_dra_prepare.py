@@ -102,6 +102,7 @@ async def test_refusals_name_the_problem_and_post_an_event(rig: Rig) -> None:
         ),
     }
     refs = {name: rig.api.add_claim(name, results) for name, (results, _) in cases.items()}
+    rig.cdi.mkdir(parents=True)  # as on a node: the directory is there, and must stay empty
     gone = ClaimRef("default", "uid-gone", "gone")
     answers = await rig.preparer.prepare([*refs.values(), gone])
     for name, (_, message) in cases.items():
@@ -110,7 +111,7 @@ async def test_refusals_name_the_problem_and_post_an_event(rig: Rig) -> None:
     assert {reason for _, reason, _ in rig.api.events} == {"KxpuPrepareFailed"}
     assert len(rig.api.events) == 4
     assert rig.preparer.checkpoint.claims == {}
-    assert not list(rig.cdi.glob("*.json")) if rig.cdi.exists() else True
+    assert list(rig.cdi.iterdir()) == [], "a refused claim left a CDI spec behind"
 
 
 async def test_a_recreated_claim_is_refused(rig: Rig) -> None:
@@ -184,12 +185,16 @@ async def test_opaque_config_is_validated_and_applied(rig: Rig) -> None:
 async def test_orphan_specs_are_removed_but_not_after_a_corrupt_checkpoint(rig: Rig) -> None:
     rig.cdi.mkdir(parents=True)
     orphan = rig.cdi / f"kxpu-dra-{DRIVER}-dead-beef.json"
-    orphan.write_text("{}")
+    mine = json.dumps({"cdiVersion": "0.6.0", "kind": f"{DRIVER}/claim", "devices": []})
+    orphan.write_text(mine)
     someone_else = rig.cdi / "vendor.json"
     someone_else.write_text("{}")
+    # Driver npu.example.com-x's spec starts with npu.example.com's prefix: not npu.example.com's to remove.
+    longer = rig.cdi / f"kxpu-dra-{DRIVER}-x-dead-beef.json"
+    longer.write_text(json.dumps({"cdiVersion": "0.6.0", "kind": f"{DRIVER}-x/claim", "devices": []}))
     assert rig.make().remove_orphan_specs() == [orphan]
-    assert someone_else.exists()
-    orphan.write_text("{}")
+    assert someone_else.exists() and longer.exists()
+    orphan.write_text(mine)
     checkpoint = rig.root / "plugins" / DRIVER / "checkpoint.json"
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
     checkpoint.write_text("{not json")
@@ -208,8 +213,80 @@ async def test_many_devices_in_one_request(tmp_path: Path) -> None:
     assert env == ["NPU_VISIBLE_DEVICES=" + ",".join(f"sim-{i}" for i in range(64))]
 
 
-def test_devices_are_looked_up_by_their_dra_name(tmp_path: Path) -> None:
+async def test_devices_are_looked_up_by_their_dra_name(tmp_path: Path) -> None:
+    """A kxpu ID that is not a DNS label is published under its DRA name; the scheduler allocates that name,
+    and prepare finds the device by it (and not by the raw ID)."""
     rig = Rig(tmp_path)
     odd = Device(id="Sim_0:x")
     rig.preparer.update_devices({odd.id: odd})
     assert device_name(odd.id) != odd.id
+    by_name = rig.api.add_claim("by-name", [result(device_name(odd.id))])
+    answer = (await rig.preparer.prepare([by_name]))[by_name.uid]
+    assert answer.error is None and [(d.device, d.id) for d in answer.devices] == [
+        (device_name(odd.id), odd.id)
+    ]
+    by_id = rig.api.add_claim("by-id", [result(odd.id)])
+    assert "is not one of driver" in ((await rig.preparer.prepare([by_id]))[by_id.uid].error or "")
+
+
+async def test_admin_access_takes_nothing_from_the_devices_users(rig: Rig) -> None:
+    """A monitoring claim with adminAccess uses a device beside its users: it neither blocks them nor is
+    blocked, across a restart too (the checkpoint records it)."""
+    admin = rig.api.add_claim("monitor", [result("sim-0", adminAccess=True)])
+    assert (await rig.preparer.prepare([admin]))[admin.uid].error is None
+    saved = json.loads((rig.root / "plugins" / DRIVER / "checkpoint.json").read_text())
+    assert saved["claims"][admin.uid]["devices"][0]["adminAccess"] is True
+    user = rig.api.add_claim("user", [result("sim-0")])
+    assert (await rig.make().prepare([user]))[user.uid].error is None
+    second = rig.api.add_claim("second", [result("sim-0")])
+    assert "already prepared for ResourceClaim default/user" in (
+        (await rig.make().prepare([second]))[second.uid].error or ""
+    )
+
+
+async def test_unexpected_errors_are_one_claims_one_line_answer(rig: Rig) -> None:
+    """The API server's refusal (403, 429, 5xx), a broken connection, a vendor library's surprise: the claim it
+    hit gets a one-line error and an event; the call's other claims are prepared."""
+    import httpx2 as httpx
+
+    broken = rig.api.add_claim("broken", [result("sim-0")])
+    fine = rig.api.add_claim("fine", [result("sim-1")])
+    rig.api.fail_next = httpx.ConnectError("connection reset\nby peer")
+    answers = await rig.preparer.prepare([broken, fine])
+    error = answers[broken.uid].error or ""
+    assert (
+        error == "ResourceClaim default/broken: cannot prepare it: ConnectError: connection reset\\nby peer"
+    )
+    assert answers[fine.uid].error is None
+    assert [(ref.name, reason) for ref, reason, _ in rig.api.events] == [("broken", "KxpuPrepareFailed")]
+
+    class Vendor(SimulatedBackend):
+        def allocate(self, devices: Any) -> Any:
+            raise KeyError("handle")
+
+    rig.backend = Vendor(rig.backend.config)
+    surprise = rig.api.add_claim("surprise", [result("sim-2")])
+    error = (await rig.make().prepare([surprise]))[surprise.uid].error or ""
+    assert error == "ResourceClaim default/surprise: cannot prepare it: KeyError: 'handle'"
+
+
+async def test_the_checkpoint_reaches_the_disk_before_prepare_answers(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power loss right after the kubelet got its answer must not lose the claim: the checkpoint's content
+    and its rename are flushed (fsync of the file and of its directory)."""
+    import os
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    claim = rig.api.add_claim("c", [result("sim-0")])
+    assert (await rig.preparer.prepare([claim]))[claim.uid].error is None
+    directory = str(rig.root / "plugins" / DRIVER)
+    assert any(p.startswith(directory + "/.checkpoint.json.") for p in synced), synced
+    assert directory in synced

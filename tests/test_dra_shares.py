@@ -3,6 +3,7 @@ containers get; the driver's defence never lets prepared shares add up past a de
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -79,12 +80,10 @@ async def test_each_share_gets_its_limits(tmp_path: Path) -> None:
         env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
         assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == memory and env["CUDA_DEVICE_SM_LIMIT"] == cores
         assert env["KXPU_VISIBLE_DEVICES"] == "sim-0"
-    full = api.add_claim("full", [share("sim-1", None, None)])  # no amounts: the whole device, no limits
-    spec_env = json.loads(
-        preparer.spec_path(full.uid).read_text()
-        if (await preparer.prepare([full]))[full.uid].error is None
-        else "{}"
-    )["devices"][0]["containerEdits"]["env"]
+    # No amounts named: the scheduler consumes the published defaults (the whole device): no limits.
+    full = api.add_claim("full", [share("sim-1", "16Gi", "100")])
+    assert (await preparer.prepare([full]))[full.uid].error is None
+    spec_env = json.loads(preparer.spec_path(full.uid).read_text())["devices"][0]["containerEdits"]["env"]
     assert not any(e.startswith("CUDA_DEVICE_") for e in spec_env)
 
 
@@ -225,3 +224,64 @@ async def test_a_backend_that_enforces_shares_gets_them(tmp_path: Path) -> None:
     assert (await preparer.prepare([claim]))[claim.uid].error is None
     env = json.loads(preparer.spec_path(claim.uid).read_text())["devices"][0]["containerEdits"]["env"]
     assert "ENFORCED=sim-0:4096:25" in env and "CUDA_DEVICE_MEMORY_LIMIT_0=4096m" in env
+
+
+async def test_one_requests_opaque_env_cannot_override_anothers_driver_env(tmp_path: Path) -> None:
+    """A container using both requests of a claim gets both CDI devices: request b's config must not override
+    the share limit the driver set for request a's device."""
+    preparer, api = make(tmp_path)
+    params = {
+        "apiVersion": "kxpu.io/v1alpha1",
+        "kind": "DeviceConfig",
+        "env": {"CUDA_DEVICE_MEMORY_LIMIT_0": "80g"},
+    }
+    claim = api.add_claim(
+        "c",
+        [share("sim-0", "4Gi", "25", request="a"), {**whole("sim-1"), "request": "b"}],
+        config=[{"requests": ["b"], "opaque": {"driver": DRIVER, "parameters": params}}],
+    )
+    error = (await preparer.prepare([claim]))[claim.uid].error or ""
+    assert "opaque config of request b sets CUDA_DEVICE_MEMORY_LIMIT_0" in error
+
+
+async def test_a_claim_naming_no_amount_gets_the_whole_device(tmp_path: Path) -> None:
+    """The scheduler fills consumedCapacity with the published default when a claim names no amount; with
+    memory that is not a multiple of the step the default is rounded down, and is still the whole device."""
+    backend = SimulatedBackend(SimulatedConfig(count=1, model="sim", memory_mib=16000))
+    entry = device_entry(backend.discover()[0], "taint", SharePolicy())
+    default = entry["capacity"]["memory"]["requestPolicy"]["default"]
+    assert default == "15872Mi"
+    api = FakeDraApi()
+    preparer = Preparer(
+        DRIVER,
+        NODE,
+        backend,
+        index_by_id(backend.discover()),
+        Checkpoint(tmp_path / "c.json", DRIVER),
+        tmp_path / "cdi",
+        api,
+        SHARES,
+    )
+    claim = api.add_claim("full", [share("sim-0", default, "100")])
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    env = json.loads(preparer.spec_path(claim.uid).read_text())["devices"][0]["containerEdits"]["env"]
+    assert not any(e.startswith("CUDA_DEVICE_") for e in env), env
+    assert preparer.checkpoint.claims[claim.uid].devices[0].memory_mib == 16000
+
+
+def test_min_memory_must_be_a_whole_number_of_steps() -> None:
+    """The API server refuses a request policy whose default is not a whole number of steps from its min:
+    such a config would have every slice refused, so it is refused at load, naming the fields."""
+    from kxpu.config import ConfigError, parse_config
+    from kxpu.testing.dra import ApiRefused, FakeDraApi
+
+    entry = device_entry(Device(id="gpu-0", memory_mib=16384), "taint", SharePolicy(256, 100))
+    body = {"metadata": {"name": "s"}, "spec": {"driver": DRIVER, "nodeName": NODE, "devices": [entry]}}
+    with pytest.raises(ApiRefused, match="not a multiple of a given step"):
+        asyncio.run(FakeDraApi().create_slice(body))
+    resource = {"name": "example.com/npu", "simulated": {"count": 1}, "serve": "dra"}
+    with pytest.raises(
+        ConfigError, match=r"dra\.shares.*minMemoryMiB 100 must be a multiple of memoryStepMiB 256"
+    ):
+        parse_config({"version": "v1", "resources": [{**resource, "dra": {"shares": {"minMemoryMiB": 100}}}]})
+    parse_config({"version": "v1", "resources": [{**resource, "dra": {"shares": {"minMemoryMiB": 512}}}]})

@@ -122,3 +122,16 @@ def test_pools_split_at_the_device_limit_and_withdraw() -> None:
     ]
     empty = pool_content("drv.x", "n", [], 1, "taint")
     assert len(empty.slices) == 1 and empty.slices[0]["devices"] == []
+
+
+def test_slice_names_are_unique_per_node_and_driver() -> None:
+    from kxpu.dra.names import _DNS_SUBDOMAIN
+    from kxpu.dra.publisher import MAX_NAME, slice_name
+
+    # Joined with "-", node a-b with driver c.io and node a with driver b-c.io read the same: the hash differs.
+    assert slice_name("a-b", "c.io", 0) != slice_name("a", "b-c.io", 0)
+    assert slice_name("a-b", "c.io", 0) == slice_name("a-b", "c.io", 0)
+    long_node = "n" * 250
+    names = {slice_name(long_node, d, i) for d in ("x.io", "y.io") for i in range(12)}
+    assert len(names) == 24
+    assert all(len(n) <= MAX_NAME and _DNS_SUBDOMAIN.match(n) for n in names)

@@ -324,6 +324,16 @@ class Daemon:
             log.error("reload failed; keeping the running config", error=str(exc))
             return
         old = self.config
+        draining = self._dra_claims_left({r.name: r for r in new.resources})
+        if draining:
+            # Its prepared claims could no longer be unprepared (their pods would stay Terminating) and the
+            # device plugin would hand out devices DRA containers still hold: the operator drains first.
+            log.error(
+                "reload refused; keeping the running config: resources would stop being served through DRA "
+                "while claims are still prepared on their devices (delete those pods first)",
+                claims=draining,
+            )
+            return
         if new.device_plugin_dir != old.device_plugin_dir:
             log.info("device-plugin directory changed; restarting every resource")
             await self._stop_all(list(self._running))
@@ -338,9 +348,9 @@ class Daemon:
                 self._start(resource)
             log.info("config reloaded", device_plugin_dir=str(new.device_plugin_dir))
             return
-        self.config = new
         wanted = {r.name: r for r in new.resources}
         current = {name: r.runner.config for name, r in self._running.items()}
+        self.config = new
         removed = [name for name in current if name not in wanted]
         changed = [name for name in current if name in wanted and wanted[name] != current[name]]
         added = [name for name in wanted if name not in current]
@@ -354,6 +364,18 @@ class Daemon:
             self._start(wanted[name])
         kept = len(current) - len(removed) - len(changed)
         log.info("config reloaded", added=added, changed=changed, removed=removed, unchanged=kept)
+
+    def _dra_claims_left(self, wanted: dict[str, ResourceConfig]) -> dict[str, list[str]]:
+        """Per resource that the new config stops serving through DRA: the claims still prepared for it."""
+        left: dict[str, list[str]] = {}
+        for name, running in self._running.items():
+            dra = running.runner.last_dra  # a DRA half failing and retrying still has its claims
+            if dra is None or (name in wanted and wanted[name].serve == "dra"):
+                continue
+            claims = sorted(c["claim"] for c in dra.describe().get("claims", {}).values())
+            if claims:
+                left[name] = claims
+        return left
 
 
 def _make_plugin_dir(directory: Path) -> None:

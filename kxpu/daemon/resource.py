@@ -14,7 +14,6 @@ import enum
 import hashlib
 import itertools
 import os
-import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -27,11 +26,13 @@ from kxpu.config import ResourceConfig
 from kxpu.daemon import metrics
 from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.registration import FileIdentity, file_identity, register
-from kxpu.daemon.servicer import DevicePluginServicer, DeviceSnapshot
+from kxpu.daemon.servicer import DevicePluginServicer
 from kxpu.daemon.serving import stop_server
+from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.daemon.wire import KUBELET_SOCKET, SERVER_OPTIONS
 from kxpu.logs import error_text, get_logger, log_failure
 from kxpu.model import Backend, BackendError, Closable, Device, Watcher
+from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.daemon.resource")
@@ -75,8 +76,6 @@ class Phase(enum.StrEnum):
     STOPPED = "stopped"
 
 
-# sockaddr_un holds 108 bytes including the terminating NUL; the kubelet dials the same path.
-MAX_SOCKET_PATH = 107
 _HASH_HEX = 16
 _SHORTEST_NAME = len("kxpu-") + _HASH_HEX + len(".sock")  # a hashed socket name without a hint
 # The longest device-plugin directory in which every resource gets a socket name: a hashed name always fits,
@@ -145,19 +144,6 @@ def _obstacle(path: Path) -> str | None:
     if stat.S_ISREG(mode):
         return "a regular file"
     return "a special file"
-
-
-def _live_socket(path: Path) -> bool:
-    """Someone accepts connections there (a stale file from a killed process refuses them)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.setblocking(False)
-        try:
-            probe.connect(str(path))
-        except BlockingIOError:
-            return True  # backlog full: alive, just busy
-        except OSError:
-            return False
-        return True
 
 
 class ResourceRunner:
@@ -289,6 +275,11 @@ class ResourceRunner:
         finally:
             self.dra = None
 
+    @property
+    def last_dra(self) -> DraServer | None:
+        """The DRA server serving this resource now, or the last one (between a failure and the retry)."""
+        return self.dra or self._last_dra
+
     async def withdraw(self) -> None:
         """Called after the runner stopped because its resource left the config."""
         if self._last_dra is not None:
@@ -336,7 +327,7 @@ class ResourceRunner:
                 self._poked.clear()
                 current = file_identity(self.socket_path)
                 if server is None or current != served:
-                    if current is not None and current != served and _live_socket(self.socket_path):
+                    if current is not None and current != served and live_socket(self.socket_path):
                         # Another kxpu (a rolling update's new pod, a manual run) serves this resource:
                         # leave it be rather than fight over the socket; take over when it goes.
                         if self.phase is not Phase.STANDBY:

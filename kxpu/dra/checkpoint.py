@@ -49,6 +49,8 @@ class PreparedDevice:
     cores: int | None = None
     # A partition made for this claim (Partitioner.realize): what releasing it needs.
     partition: Mapping[str, str | int] | None = None
+    # Allocated with adminAccess (monitoring beside the device's users): holds nothing of the device.
+    admin_access: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,7 @@ def _claim_to_json(claim: PreparedClaim) -> dict[str, Any]:
                 **({"memoryMiB": d.memory_mib} if d.memory_mib is not None else {}),
                 **({"cores": d.cores} if d.cores is not None else {}),
                 **({"partition": dict(d.partition)} if d.partition else {}),
+                **({"adminAccess": True} if d.admin_access else {}),
             }
             for d in claim.devices
         ],
@@ -101,6 +104,7 @@ def _claim_from_json(raw: Mapping[str, Any]) -> PreparedClaim:
                 memory_mib=d.get("memoryMiB"),
                 cores=d.get("cores"),
                 partition=d.get("partition"),
+                admin_access=bool(d.get("adminAccess", False)),
             )
             for d in raw["devices"]
         ),
@@ -120,6 +124,7 @@ class Checkpoint:
         try:
             text = self.path.read_text()
         except FileNotFoundError:
+            self.claims = {}
             return
         except OSError as exc:
             self._move_aside(f"unreadable: {exc.strerror or exc}")
@@ -154,7 +159,7 @@ class Checkpoint:
             "claims": {uid: _claim_to_json(c) for uid, c in sorted(self.claims.items())},
         }
         try:
-            write_atomically(self.path, json.dumps(doc, indent=1) + "\n", mode=0o600)
+            write_atomically(self.path, json.dumps(doc, indent=1) + "\n", mode=0o600, durable=True)
         except OSError as exc:
             raise CheckpointError(
                 f"cannot write the DRA checkpoint {self.path}: {exc.strerror or exc}"

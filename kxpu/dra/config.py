@@ -5,14 +5,34 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kxpu.dra.names import check_driver_name
+from kxpu.sockets import MAX_SOCKET_PATH
 
 DEFAULT_KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 DEFAULT_PLUGINS_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
+
+
+def dra_socket(plugins_dir: Path, driver: str) -> Path:
+    return plugins_dir / driver / "dra.sock"
+
+
+def registration_socket(registry_dir: Path, driver: str) -> Path:
+    return registry_dir / f"{driver}-reg.sock"
+
+
+def check_dra_socket_paths(plugins_dir: Path, registry_dir: Path, driver: str) -> None:
+    """Refuse at load what bind() would refuse at serve time."""
+    for path in (dra_socket(plugins_dir, driver), registration_socket(registry_dir, driver)):
+        size = len(str(path).encode())
+        if size > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"socket path {path} for DRA driver {driver} is {size} bytes; unix sockets allow {MAX_SOCKET_PATH}: "
+                "use shorter kubeletPluginsDir/pluginsRegistryDir or dra.driverName"
+            )
 
 
 class DraSharesConfig(BaseModel):
@@ -39,6 +59,18 @@ class DraSharesConfig(BaseModel):
         if "{i}" not in value:
             raise ValueError("memoryLimitEnv needs {i} (the device's index in the container's request)")
         return value
+
+    @model_validator(mode="after")
+    def _min_on_the_step(self) -> DraSharesConfig:
+        # The API server wants (default - min) % step == 0 for a capacity's request policy
+        # (validateRequestPolicyRangeStep); the default is a multiple of the step, so min must be too, or
+        # every ResourceSlice of the driver is refused.
+        if self.min_memory_mib % self.memory_step_mib:
+            raise ValueError(
+                f"minMemoryMiB {self.min_memory_mib} must be a multiple of memoryStepMiB {self.memory_step_mib} "
+                "(the API server refuses a request policy whose default is not a whole number of steps from min)"
+            )
+        return self
 
 
 class DraConfig(BaseModel):

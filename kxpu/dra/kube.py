@@ -7,7 +7,7 @@ Objects cross this boundary as plain dicts (the JSON the API serves), so everyth
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from lightkube import ApiError, AsyncClient
@@ -41,6 +41,12 @@ class DraKube:
         self.driver = driver
         self._client = client
 
+    async def close(self) -> None:
+        """Close the connection pool (each start of the resource's DRA half makes a new DraKube)."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
     @property
     def client(self) -> AsyncClient:
         if self._client is None:
@@ -63,6 +69,11 @@ class DraKube:
 
     async def replace_slice(self, body: dict[str, Any]) -> dict[str, Any]:
         return dict(await self.client.replace(_Slice.from_dict(body)))
+
+    async def watch_slices(self, driver: str, node: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        fields: dict[str, Any] = {"spec.driver": driver, "spec.nodeName": node}
+        async for kind, obj in self.client.watch(_Slice, fields=fields):
+            yield kind, dict(obj)
 
     async def delete_slice(self, name: str) -> None:
         try:

@@ -29,11 +29,17 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class SharingConfig(BaseModel):
-    """How a share of a device (consumable capacity) is enforced in the container, with NVIDIA's names:
-    ``TimeSlicing`` (HAMi-core's limit variables, cooperative) or ``MPS`` (the driver's MPS server enforces
-    the memory limit and thread share; needs a backend that can, e.g. nvidia with ``sharing.mps``). Unset:
-    MPS where the backend enforces shares itself, else TimeSlicing. A claim that wants a device to itself
-    asks for no capacity amounts: it then consumes the whole device."""
+    """How a share of a device (consumable capacity) is enforced in the container, with NVIDIA's names.
+    A share's containers always get HAMi-core's limit variables (cooperative); on top of them:
+
+    - ``TimeSlicing``: nothing more (the backend's plain ``allocate``);
+    - ``MPS``: the backend's own enforcement of the grant (``ShareAllocator.allocate_shares``: for nvidia the
+      MPS client limits, which hold only while its ``sharing.mps`` daemon runs; Ascend's vNPU template).
+      Refused for a backend without one.
+
+    Unset: the backend's own enforcement where it has one, else TimeSlicing. A claim that wants a device to
+    itself names no capacity amounts: the scheduler then consumes the published defaults, which are the
+    whole device (its memory rounded down to the step), and the claim gets no limits."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

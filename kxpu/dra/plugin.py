@@ -8,8 +8,11 @@ this plugin is the DRA half that serves it, in place of the device-plugin server
   renamed into place (gRPC unlinks the path it bound when it stops: never someone else's socket);
 - level-triggered like the device-plugin side: an inotify watch on both directories (and a resync
   every ``RESYNC_SECONDS``) re-serves a socket that was removed, and a live socket of another
-  process at our path (a rolling update's new pod) makes this one stand by;
-- ResourceSlices follow the snapshot (``publisher.py``), retried with backoff on API errors;
+  process at our path (a DaemonSet update with ``maxSurge``, or a second daemon started by hand) makes
+  this one stand by: it publishes nothing, and reloads the checkpoint when it takes over;
+- ResourceSlices follow the snapshot (``publisher.py``), retried with backoff on API errors, and are
+  published again whenever they stop being what was written (a watch of the driver's slices: a starting
+  kubelet deletes its node's slices, it deletes a driver's 30 s after losing it, an admin may delete them);
 - prepared claims survive restarts in ``<kubeletPluginsDir>/<driver>/checkpoint.json``.
 
 Ready means: registered with the kubelet (it called ``NotifyRegistrationStatus`` with success) and
@@ -22,8 +25,7 @@ import asyncio
 import contextlib
 import enum
 import os
-import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +35,11 @@ from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.holders import HolderError, list_pod_resources
 from kxpu.daemon.registration import FileIdentity, file_identity
-from kxpu.daemon.servicer import DeviceSnapshot
 from kxpu.daemon.serving import stop_server
+from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import Checkpoint
-from kxpu.dra.config import DraConfig
+from kxpu.dra.config import DraConfig, dra_socket, registration_socket
 from kxpu.dra.prepare import ClaimSource, Preparer
 from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
@@ -45,13 +47,16 @@ from kxpu.dra.slices import SharePolicy
 from kxpu.fswatch import directory_changes
 from kxpu.logs import error_text, get_logger
 from kxpu.model import Backend, Partitioner
+from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.dra.plugin")
 
 RESYNC_SECONDS = 30.0
 HELD_POLL_SECONDS = 5.0
-MAX_SOCKET_PATH = 107  # sockaddr_un holds 108 bytes including the NUL
+# The watch of the driver's slices repairs deletions at once; a full re-list this often as well, in case a
+# watch event was lost (one filtered LIST per node and driver).
+RELIST_SECONDS = 300.0
 # gRPC messages: a NodePrepareResources call names at most a few hundred claims; nothing legitimate is near this.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
@@ -61,37 +66,6 @@ class DraPhase(enum.StrEnum):
     WAITING_FOR_KUBELET = "waiting-for-kubelet"
     REGISTERED = "registered"
     STANDBY = "standby"
-
-
-def dra_socket(plugins_dir: Path, driver: str) -> Path:
-    return plugins_dir / driver / "dra.sock"
-
-
-def registration_socket(registry_dir: Path, driver: str) -> Path:
-    return registry_dir / f"{driver}-reg.sock"
-
-
-def check_dra_socket_paths(plugins_dir: Path, registry_dir: Path, driver: str) -> None:
-    """Refuse at load what bind() would refuse at serve time."""
-    for path in (dra_socket(plugins_dir, driver), registration_socket(registry_dir, driver)):
-        size = len(str(path).encode())
-        if size > MAX_SOCKET_PATH:
-            raise ValueError(
-                f"socket path {path} for DRA driver {driver} is {size} bytes; unix sockets allow {MAX_SOCKET_PATH}: "
-                "use shorter kubeletPluginsDir/pluginsRegistryDir or dra.driverName"
-            )
-
-
-def _live_socket(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.setblocking(False)
-        try:
-            probe.connect(str(path))
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        return True
 
 
 class _Served:
@@ -109,7 +83,7 @@ class _Served:
 
     def taken_by_another(self) -> bool:
         current = file_identity(self.path)
-        return current is not None and current != self.identity and _live_socket(self.path)
+        return current is not None and current != self.identity and live_socket(self.path)
 
     async def serve(self) -> None:
         await self.stop()
@@ -159,8 +133,10 @@ class DraPlugin:
         claims: ClaimSource,
         settings: DraConfig | None = None,
         pod_resources: Path | None = None,
+        close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         settings = settings or DraConfig()
+        self._close = close  # what this plugin's API client needs when the plugin stops
         self.backend = backend
         self.pod_resources = pod_resources
         # Devices pods still hold through the device plugin (this node served the resource that way before):
@@ -191,7 +167,10 @@ class DraPlugin:
             if shares is not None
             else None
         )
+        self.slice_api = slices
         self.publisher = SlicePublisher(slices, driver, node, settings.unhealthy, policy)
+        self._republish = asyncio.Event()  # the slices in the API may no longer be what was published
+        self._active = asyncio.Event()  # serving (not standing by): only then are slices published
         self.phase = DraPhase.STARTING
         self.registered = False
         self.registration_error = ""
@@ -227,12 +206,14 @@ class DraPlugin:
         else:
             self.log.error("the kubelet refused the registration", reason=error or "no reason given")
         self._registered_changed.set()
+        if registered:  # a kubelet that (re)started wipes the node's slices: look again
+            self._republish.set()
         self.poke()
 
     async def run(self) -> None:
         """Serve until cancelled; the sockets are removed on the way out, the slices and checkpoint kept
         (a restarted daemon takes over without a gap in what the scheduler sees)."""
-        await asyncio.to_thread(self.checkpoint.load)
+        await self._load_checkpoint()
         removed = await asyncio.to_thread(self.preparer.remove_orphan_specs)
         if removed:
             self.log.info(
@@ -246,6 +227,7 @@ class DraPlugin:
                 if self.held:
                     tasks.create_task(self._follow_held())
                 tasks.create_task(self._publish_loop())
+                tasks.create_task(self._watch_slices())
                 tasks.create_task(self._watch_dirs())
                 tasks.create_task(self._serve_loop())
         finally:
@@ -253,6 +235,15 @@ class DraPlugin:
             await self.dra.stop(0.5)
             self.registered = False
             metrics.DRIVER_REGISTERED.labels(self.driver).set(0)
+            if self._close is not None:
+                try:
+                    await self._close()
+                except Exception as exc:
+                    self.log.warning("cannot close the API client", error=error_text(exc))
+
+    async def _load_checkpoint(self) -> None:
+        await asyncio.to_thread(self.checkpoint.load)
+        metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
 
     async def _serve_loop(self) -> None:
         backoff = Backoff(initial=0.1, maximum=10.0)
@@ -262,10 +253,19 @@ class DraPlugin:
                 if self.registration.taken_by_another() or self.dra.taken_by_another():
                     if self.phase is not DraPhase.STANDBY:
                         self.log.warning("another process serves this DRA driver's sockets; standing by")
+                    self._active.clear()
                     self.phase, self.registered = DraPhase.STANDBY, False
+                    metrics.DRIVER_REGISTERED.labels(self.driver).set(0)
                     await self.registration.stop()
                     await self.dra.stop()
                 elif not (self.dra.intact() and self.registration.intact()):
+                    if self.phase is DraPhase.STANDBY:
+                        # The other process prepared and unprepared claims meanwhile: its checkpoint is the truth.
+                        await self._load_checkpoint()
+                        self.log.info(
+                            "the other process is gone; taking over",
+                            prepared_claims=len(self.checkpoint.claims),
+                        )
                     for served in (self.dra, self.registration):
                         if served.identity is not None and not served.intact():
                             self.log.warning(
@@ -276,12 +276,17 @@ class DraPlugin:
                     self.registered = False
                     await self.registration.serve()
                     self.phase = DraPhase.WAITING_FOR_KUBELET
+                    self._active.set()
                 elif self.registered:
                     self.phase = DraPhase.REGISTERED
                 backoff.reset()
-            except OSError as exc:
+            except (OSError, RuntimeError) as exc:  # gRPC's bind failure is a RuntimeError ("Failed to bind")
                 delay = backoff.next_delay()
-                self.log.error("cannot serve the DRA sockets; retrying", error=str(exc), retry_in_s=delay)
+                self.log.error(
+                    "cannot serve the DRA sockets; retrying",
+                    error=error_text(exc),
+                    retry_in_s=round(delay, 2),
+                )
                 await wait_event(self._poked, delay)
                 continue
             await wait_event(self._poked, RESYNC_SECONDS)
@@ -328,11 +333,35 @@ class DraPlugin:
             await asyncio.sleep(HELD_POLL_SECONDS)
             await self._read_held()
 
+    async def _watch_slices(self) -> None:
+        """Wake the publisher whenever the API's slices of this driver and node stop being what it wrote:
+        deleted by a starting kubelet (it wipes the node's slices), by the kubelet 30 s after losing this
+        driver, by an admin, or by the garbage collector with a Node created again."""
+        backoff = Backoff(initial=0.5, maximum=30.0)
+        while True:
+            try:
+                async for kind, obj in self.slice_api.watch_slices(self.driver, self.node):
+                    backoff.reset()
+                    if not self.publisher.is_current(kind, obj):
+                        self._republish.set()
+                delay = 1.0  # the watch ended without an error: start another (and check meanwhile)
+            except Exception as exc:  # the API server's answer or the connection's failure: retried
+                delay = backoff.next_delay()
+                self.log.warning(
+                    "watching ResourceSlices failed; retrying",
+                    error=error_text(exc),
+                    retry_in_s=round(delay, 2),
+                )
+            self._republish.set()
+            await asyncio.sleep(delay)
+
     async def _publish_loop(self) -> None:
         backoff = Backoff(initial=0.2, maximum=30.0)
         while True:
+            await self._active.wait()  # a standby process leaves the slices to the one serving
             revision = self.snapshot.revision
             self._held_changed.clear()
+            self._republish.clear()
             self.preparer.update_devices(self.snapshot.devices)
             try:
                 counter_sets = (
@@ -359,9 +388,14 @@ class DraPlugin:
             changes = [
                 asyncio.ensure_future(self.snapshot.wait_revision_newer_than(revision)),
                 asyncio.ensure_future(self._held_changed.wait()),
+                asyncio.ensure_future(self._republish.wait()),
             ]
             try:
-                await asyncio.wait(changes, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    changes,
+                    timeout=RELIST_SECONDS if delay is None else delay,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
             finally:
                 for change in changes:
                     change.cancel()

@@ -5,13 +5,18 @@ Prepare: read the claim from the API server, keep only this driver's devices in 
 snapshot (unknown or unhealthy → refused), refuse a device another claim already holds here (the
 driver is the last line of defence against a double allocation), ask the backend for the container
 edits of each request's devices, write one CDI spec file for the claim and record the claim in the
-checkpoint. Answered per claim: one claim's failure does not fail the others.
+checkpoint. Answered per claim: one claim's failure, whatever it is (a refusal, the API server's error, a
+vendor library's exception), is that claim's one-line error and a Warning event on it, never the call's.
+A prepare that fails or is cancelled (the kubelet's deadline) after making partitions releases them and
+removes what it wrote. Admin-access allocations (monitoring) are recorded but hold nothing.
 
-Unprepare removes the claim's CDI spec and checkpoint entry; a claim that is not prepared is not an
-error (the kubelet repeats calls).
+Unprepare releases the claim's partitions, removes its CDI spec and then its checkpoint entry; a claim
+that is not prepared is not an error (the kubelet repeats calls). A crash between the release and the
+checkpoint write releases again on the next unprepare (``Partitioner.release`` is idempotent).
 
-Calls are serialized (one lock): the checkpoint is one file and the double-allocation check must see
-every earlier prepare. The CDI spec and the checkpoint (a few KiB, on local disk or tmpfs) are written on
+Calls are serialized (one lock) once the claims are read (outside it, as the events are posted): the
+checkpoint is one file and the double-allocation check must see every earlier prepare. The CDI spec and
+the checkpoint (a few KiB, on local disk or tmpfs) are written on
 the event loop: each write takes tens of microseconds, less than handing it to a worker thread, which on a
 busy node is most of a prepare's latency. Backends' partition calls (vendor libraries) do go to threads.
 """
@@ -19,6 +24,7 @@ busy node is most of a prepare's latency. Backends' partition calls (vendor libr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -35,7 +41,8 @@ from kxpu.dra.claims import AllocatedDevice, ClaimAllocation, ClaimError, alloca
 from kxpu.dra.config import DraSharesConfig
 from kxpu.dra.names import claim_cdi_device, claim_cdi_kind, device_name, parent_request
 from kxpu.dra.quantity import as_mib, parse_quantity
-from kxpu.logs import get_logger
+from kxpu.dra.slices import SharePolicy
+from kxpu.logs import error_text, get_logger, one_line
 from kxpu.model import (
     AsyncAllocator,
     Backend,
@@ -104,7 +111,15 @@ class Preparer:
         self.cdi_kind = claim_cdi_kind(driver)
         self.held: frozenset[str] = frozenset()  # IDs pods still hold through the device plugin
         self._lock = asyncio.Lock()
+        self._background: set[asyncio.Future[Any]] = set()  # releases of partitions a cancelled prepare made
         self.log = log.bind(driver=driver)
+
+    @property
+    def _policy(self) -> SharePolicy:
+        shares = self.shares or DraSharesConfig()
+        return SharePolicy(
+            shares.memory_step_mib, shares.min_memory_mib, shares.memory_scaling, shares.core_scaling
+        )
 
     def update_devices(self, devices: Mapping[str, Device]) -> None:
         """The backend's latest snapshot (ID → device)."""
@@ -115,40 +130,118 @@ class Preparer:
 
     # -- prepare ----------------------------------------------------------------------------------------
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, Prepared]:
+        """One answer per claim; nothing one claim does fails another's (an unexpected error included: it
+        becomes that claim's one-line error). The claims are read from the API server before the lock is
+        taken, and events posted after it is released: a slow API server never holds up the node's other
+        prepares and unprepares."""
+        fetched = await self._fetch([r for r in refs if not self._known(r)])
+        results: dict[str, Prepared] = {}
+        failed: list[tuple[ClaimRef, str]] = []
         async with self._lock:
-            results: dict[str, Prepared] = {}
             for ref in refs:
                 started = time.perf_counter()
                 try:
-                    results[ref.uid] = Prepared(devices=await self._prepare_one(ref))
+                    results[ref.uid] = Prepared(devices=await self._prepare_one(ref, fetched.get(ref.uid)))
                     metrics.PREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
-                except (ClaimError, BackendError, CheckpointError, OSError) as exc:
+                except Exception as exc:
                     metrics.PREPARE_ERRORS.labels(self.driver).inc()
-                    message = str(exc) if not isinstance(exc, OSError) else f"{ref.ref}: {exc}"
-                    self.log.warning("claim not prepared", claim=ref.ref, uid=ref.uid, reason=message)
+                    message = self._failure_text(ref, exc)
                     results[ref.uid] = Prepared(error=message)
-                    await self.claims.claim_event(ref, "KxpuPrepareFailed", message)
+                    failed.append((ref, message))
             metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
-            return results
+        for ref, message in failed:
+            await self.claims.claim_event(ref, "KxpuPrepareFailed", message)
+        return results
 
-    async def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+    def _known(self, ref: ClaimRef) -> bool:
+        known = self.checkpoint.claims.get(ref.uid)
+        return known is not None and _spec_present(known)
+
+    async def _fetch(self, refs: Sequence[ClaimRef]) -> dict[str, Mapping[str, Any] | Exception | None]:
+        """Each claim as the API server has it (None: it does not exist; an exception: reading it failed)."""
+        if not refs:
+            return {}
+        answers = await asyncio.gather(
+            *(self.claims.get_claim(r.namespace, r.name) for r in refs), return_exceptions=True
+        )
+        out: dict[str, Mapping[str, Any] | Exception | None] = {}
+        for ref, answer in zip(refs, answers, strict=True):
+            if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+                raise answer  # cancelled: the kubelet gave up on the call
+            out[ref.uid] = answer
+        return out
+
+    def _failure_text(self, ref: ClaimRef, exc: Exception) -> str:
+        """The claim's error for the kubelet, one line; logged once (a traceback only for what kxpu did not
+        expect, and only at debug level)."""
+        if isinstance(exc, ClaimError | BackendError | CheckpointError):
+            message = one_line(str(exc))
+        elif isinstance(exc, OSError):
+            message = f"ResourceClaim {ref.ref}: {one_line(str(exc.strerror or exc))}"
+        else:  # the API server's refusal (403, 429, 5xx), a broken connection, a vendor library's surprise
+            message = f"ResourceClaim {ref.ref}: cannot prepare it: {one_line(error_text(exc))}"
+            self.log.debug("claim not prepared: traceback", claim=ref.ref, exc_info=exc)
+        self.log.warning("claim not prepared", claim=ref.ref, uid=ref.uid, reason=message)
+        return message
+
+    async def _prepare_one(
+        self, ref: ClaimRef, claim: Mapping[str, Any] | Exception | None
+    ) -> tuple[PreparedDevice, ...]:
         known = self.checkpoint.claims.get(ref.uid)
         if known is not None and _spec_present(known):
             return known.devices  # the kubelet asks again after a restart or a timeout: same answer
-        claim = await self.claims.get_claim(ref.namespace, ref.name)
+        if isinstance(claim, Exception):
+            raise claim
         if claim is None:
             raise ClaimError(f"ResourceClaim {ref.ref} does not exist (deleted while the pod was starting?)")
         allocation = allocation_for(claim, ref.uid, self.driver, self.pool)
         chosen = self._lookup(allocation)
         chosen, handles = await self._realize(allocation, chosen)
+        # From here on, whatever stops this prepare (a refusal, the backend, the kubelet's deadline cancelling
+        # the call) releases the partitions just made and removes what was written: nothing is left behind.
+        spec_path: Path | None = None
+        try:
+            prepared, entries = await self._devices_and_edits(ref, allocation, chosen, handles)
+            spec_path = self._write_spec(ref.uid, entries) if entries else None
+            self.checkpoint.claims[ref.uid] = PreparedClaim(
+                ref.namespace, ref.name, str(spec_path) if spec_path else None, tuple(prepared)
+            )
+            self.checkpoint.save()
+        except BaseException:
+            self.checkpoint.claims.pop(ref.uid, None)
+            if spec_path is not None:
+                spec_path.unlink(missing_ok=True)
+            await self._release_quietly(allocation, list(handles.values()))
+            raise
+        self.log.info(
+            "claim prepared",
+            claim=ref.ref,
+            uid=ref.uid,
+            devices={d.device: d.id for d in prepared},
+            cdi=[c for d in prepared for c in d.cdi_device_ids],
+        )
+        return tuple(prepared)
+
+    async def _devices_and_edits(
+        self,
+        ref: ClaimRef,
+        allocation: ClaimAllocation,
+        chosen: list[tuple[AllocatedDevice, Device]],
+        handles: Mapping[str, Mapping[str, str | int]],
+    ) -> tuple[list[PreparedDevice], list[tuple[str, ContainerEdits]]]:
         by_request: dict[str, list[tuple[AllocatedDevice, Device]]] = {}
         for allocated, device in chosen:
             by_request.setdefault(parent_request(allocated.request), []).append((allocated, device))
+        edits_of: dict[str, ContainerEdits] = {}
+        grants_of: dict[str, list[DeviceShare]] = {}
+        for request, members in by_request.items():
+            grants_of[request] = [self._grant(allocation, allocated, device) for allocated, device in members]
+            edits_of[request] = await self._edits(allocation, request, grants_of[request])
+        self._apply_opaque_env(allocation, edits_of)
         entries: list[tuple[str, ContainerEdits]] = []
         prepared: list[PreparedDevice] = []
         for request, members in by_request.items():
-            grants = [self._grant(allocation, allocated, device) for allocated, device in members]
-            edits = await self._edits(allocation, request, grants)
+            edits, grants = edits_of[request], grants_of[request]
             cdi_name = claim_cdi_device(ref.uid, request)
             has_edits = any((edits.env, edits.device_nodes, edits.mounts))
             if has_edits:
@@ -168,32 +261,10 @@ class Preparer:
                         memory_mib=grant.memory_mib if allocated.share_id else None,
                         cores=grant.cores if allocated.share_id else None,
                         partition=handles.get(allocated.device),
+                        admin_access=allocated.admin_access,
                     )
                 )
-        try:
-            spec_path = self._write_spec(ref.uid, entries) if entries else None
-        except BaseException:
-            await self._release([h for h in handles.values() if h])
-            raise
-        self.checkpoint.claims[ref.uid] = PreparedClaim(
-            ref.namespace, ref.name, str(spec_path) if spec_path else None, tuple(prepared)
-        )
-        try:
-            self.checkpoint.save()
-        except CheckpointError:
-            del self.checkpoint.claims[ref.uid]
-            if spec_path is not None:
-                spec_path.unlink(missing_ok=True)
-            await self._release([h for h in handles.values() if h])
-            raise
-        self.log.info(
-            "claim prepared",
-            claim=ref.ref,
-            uid=ref.uid,
-            devices={d.device: d.id for d in prepared},
-            cdi=[c for d in prepared for c in d.cdi_device_ids],
-        )
-        return tuple(prepared)
+        return prepared, entries
 
     def _lookup(self, allocation: ClaimAllocation) -> list[tuple[AllocatedDevice, Device]]:
         chosen: list[tuple[AllocatedDevice, Device]] = []
@@ -232,8 +303,18 @@ class Preparer:
                 f"ResourceClaim {allocation.ref}: driver {self.driver}'s backend makes no partitions"
             )
         await self._check_counters(allocation, [d for _, d in partitions])
-        made = await asyncio.to_thread(self.backend.realize, [d for _, d in partitions])
+        making = asyncio.to_thread(self.backend.realize, [d for _, d in partitions])
+        realizing = asyncio.ensure_future(making)
+        self._background.add(realizing)
+        realizing.add_done_callback(self._background.discard)
+        try:
+            made = await asyncio.shield(realizing)
+        except asyncio.CancelledError:
+            # The kubelet's deadline: the worker thread goes on making the partitions; release them once made.
+            realizing.add_done_callback(lambda done: self._release_when_made(allocation, done))
+            raise
         if len(made) != len(partitions):
+            await self._release_quietly(allocation, [h for _, h in made])
             raise BackendError(f"the backend made {len(made)} partitions for {len(partitions)} asked")
         realized = {
             a.device: (device, dict(handle))
@@ -253,7 +334,7 @@ class Preparer:
             for uid, claim in self.checkpoint.claims.items()
             if uid != allocation.uid
             for d in claim.devices
-            if d.device in self._by_name
+            if d.device in self._by_name and not d.admin_access
         ]
         for device in [*prepared, *devices]:
             for counter_set, counters in device.consumes.items():
@@ -267,16 +348,55 @@ class Preparer:
                 f"already prepared on this node ({used_up} used up); refusing"
             )
 
-    async def _release(self, handles: list[dict[str, str | int]]) -> None:
+    async def _release(self, handles: Sequence[Mapping[str, str | int]]) -> None:
+        handles = [h for h in handles if h]
         if handles and isinstance(self.backend, Partitioner):
             await asyncio.to_thread(self.backend.release, handles)
+
+    async def _release_quietly(
+        self, allocation: ClaimAllocation, handles: Sequence[Mapping[str, str | int]]
+    ) -> None:
+        """Release partitions of a prepare that failed; a failure to release is logged, never raised over the
+        prepare's own error, and a cancelled prepare still releases (in the background)."""
+        if not any(handles):
+            return
+        task = asyncio.ensure_future(self._release(handles))
+        self._background.add(task)
+        task.add_done_callback(lambda t: self._released(allocation, t))
+        with contextlib.suppress(Exception):
+            await asyncio.shield(task)
+
+    def _released(self, allocation: ClaimAllocation, task: asyncio.Future[None]) -> None:
+        self._background.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.log.error(
+                "cannot release the partitions of a claim that was not prepared",
+                claim=allocation.ref,
+                error=one_line(error_text(exc)),
+            )
+
+    def _release_when_made(self, allocation: ClaimAllocation, done: asyncio.Future[Any]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        handles = [h for _, h in done.result()]
+        task = asyncio.ensure_future(self._release(handles))
+        self._background.add(task)
+        task.add_done_callback(lambda t: self._released(allocation, t))
 
     def _check_not_taken(
         self, allocation: ClaimAllocation, allocated: AllocatedDevice, device: Device
     ) -> None:
         """The last line of defence against a double allocation: a whole device is one claim's; shares of a
         device never add up to more than the capacity kxpu published for it."""
-        others = [h for h in self.checkpoint.holders_of(allocated.device) if h[0] != allocation.uid]
+        # Admin access (adminAccess: true) uses a device beside its users, for monitoring: it takes nothing.
+        others = [
+            h
+            for h in self.checkpoint.holders_of(allocated.device)
+            if h[0] != allocation.uid and not h[2].admin_access
+        ]
         whole = [h for h in others if h[2].share_id is None]
         if others and (allocated.share_id is None or whole):
             _, claim, _ = (whole or others)[0]
@@ -318,6 +438,11 @@ class Preparer:
             raise ClaimError(
                 f"ResourceClaim {allocation.ref}: consumed capacity of {allocated.device}: {exc}"
             ) from None
+        # A claim naming no amount consumed the published default: the capacity rounded down to the step.
+        # That is the whole device's memory, not a share of it (no limit for the few MiB below the step).
+        default = self._policy.memory_default_mib(device)
+        if default is not None and memory >= default:
+            memory = max(memory, device.memory_mib or 0)
         return DeviceShare(device, memory, cores)
 
     async def _edits(
@@ -353,18 +478,25 @@ class Preparer:
                 share_limit_env(grants, self.shares.memory_limit_env, self.shares.core_limit_env)
             )
             edits.env.update(self.shares.env)
-        extra: dict[str, str] = {}
-        for allocated_request, config in allocation.configs.items():
-            if parent_request(allocated_request) == request:
-                extra.update(config.env)
-        clash = sorted(set(extra) & set(edits.env))
-        if clash:
-            raise ClaimError(
-                f"ResourceClaim {allocation.ref}: opaque config sets {', '.join(clash)}, which driver {self.driver} "
-                "sets itself for these devices"
-            )
-        edits.env.update(extra)
         return edits
+
+    def _apply_opaque_env(self, allocation: ClaimAllocation, edits_of: Mapping[str, ContainerEdits]) -> None:
+        """Each request's opaque env, refused where it names a variable the driver sets for any request of the
+        claim: a container using two requests gets both CDI devices, and one request's config must not
+        override what the driver set for the other's devices."""
+        driver_env = {name for edits in edits_of.values() for name in edits.env}
+        extras: dict[str, dict[str, str]] = {}
+        for allocated_request, config in allocation.configs.items():
+            extras.setdefault(parent_request(allocated_request), {}).update(config.env)
+        for request, extra in extras.items():
+            clash = sorted(set(extra) & driver_env)
+            if clash:
+                raise ClaimError(
+                    f"ResourceClaim {allocation.ref}: opaque config of request {request} sets {', '.join(clash)}, "
+                    f"which driver {self.driver} sets itself for this claim's devices"
+                )
+        for request, edits in edits_of.items():
+            edits.env.update(extras.get(request, {}))
 
     def _write_spec(self, uid: str, entries: list[tuple[str, ContainerEdits]]) -> Path:
         spec = build_spec(self.cdi_kind, entries)
@@ -379,16 +511,18 @@ class Preparer:
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
         async with self._lock:
             results: dict[str, str | None] = {}
-            changed = False
+            removed: dict[str, PreparedClaim] = {}
             for ref in refs:
                 started = time.perf_counter()
-                known = self.checkpoint.claims.pop(ref.uid, None)
+                known = self.checkpoint.claims.get(ref.uid)
                 if known is not None:
+                    # Released before the checkpoint is saved: a crash in between releases again on the next
+                    # unprepare, which Partitioner.release must take (it is idempotent); never the other way
+                    # round, which would leak the partition.
                     try:
                         await self._release([dict(d.partition) for d in known.devices if d.partition])
-                    except (BackendError, OSError) as exc:
-                        self.checkpoint.claims[ref.uid] = known
-                        results[ref.uid] = f"{ref.ref}: cannot destroy its partitions: {exc}"
+                    except Exception as exc:
+                        results[ref.uid] = self._unprepare_failure(ref, "cannot destroy its partitions", exc)
                         continue
                 paths = {self.spec_path(ref.uid)}
                 if known is not None and known.cdi_spec:
@@ -397,24 +531,32 @@ class Preparer:
                     for path in paths:
                         path.unlink(missing_ok=True)
                 except OSError as exc:
-                    if known is not None:
-                        self.checkpoint.claims[ref.uid] = known
-                    results[ref.uid] = f"{ref.ref}: cannot remove its CDI spec: {exc.strerror or exc}"
+                    results[ref.uid] = self._unprepare_failure(ref, "cannot remove its CDI spec", exc)
                     continue
-                changed = changed or known is not None
+                if known is not None:
+                    removed[ref.uid] = self.checkpoint.claims.pop(ref.uid)
                 results[ref.uid] = None
                 metrics.UNPREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
                 if known is not None:
                     self.log.info("claim unprepared", claim=ref.ref, uid=ref.uid)
-            if changed:
+            if removed:
                 try:
                     self.checkpoint.save()
                 except CheckpointError as exc:
-                    for ref in refs:
-                        if results.get(ref.uid) is None:
-                            results[ref.uid] = str(exc)
+                    # Memory stays what the disk says: the claims are still prepared, the kubelet retries.
+                    self.checkpoint.claims.update(removed)
+                    for uid in removed:
+                        results[uid] = str(exc)
             metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
             return results
+
+    def _unprepare_failure(self, ref: ClaimRef, what: str, exc: Exception) -> str:
+        detail = exc.strerror or str(exc) if isinstance(exc, OSError) else error_text(exc)
+        message = f"ResourceClaim {ref.ref}: {what}: {one_line(str(detail))}"
+        self.log.warning("claim not unprepared", claim=ref.ref, uid=ref.uid, reason=message)
+        if not isinstance(exc, BackendError | OSError):
+            self.log.debug("claim not unprepared: traceback", claim=ref.ref, exc_info=exc)
+        return message
 
     def remove_orphan_specs(self) -> list[Path]:
         """CDI spec files of this driver whose claim is not in the checkpoint (a crash between writing the
@@ -430,7 +572,9 @@ class Preparer:
             return []
         for path in candidates:
             uid = path.name[len(prefix) : -len(".json")]
-            if uid not in self.checkpoint.claims:
+            # "kxpu-dra-x.io-*" also matches driver x.io-y's specs ("kxpu-dra-x.io-y-<uid>"): only a spec of
+            # this driver's CDI kind is this driver's.
+            if uid not in self.checkpoint.claims and _spec_kind(path) == self.cdi_kind:
                 path.unlink(missing_ok=True)
                 removed.append(path)
         return removed
@@ -439,3 +583,11 @@ class Preparer:
 def _spec_present(claim: PreparedClaim) -> bool:
     """A prepared claim whose CDI spec is gone (removed by hand, a tmpfs cleared) is prepared again."""
     return claim.cdi_spec is None or os.path.exists(claim.cdi_spec)
+
+
+def _spec_kind(path: Path) -> str | None:
+    try:
+        kind = json.loads(path.read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None

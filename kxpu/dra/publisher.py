@@ -2,7 +2,10 @@
 
 Level-triggered: each ``publish`` lists the driver's slices for this node and makes them equal to
 ``slices.pool_content`` for the current devices — update in place, create what is missing, delete
-what is extra (and any slice owned by an older incarnation of the Node). The pool's generation
+what is extra (and any slice owned by an older incarnation of the Node, whose UID is read again before
+every write). ``is_current`` tells the driver's watch of its slices whether an event is the echo of its
+own write or something to repair (the kubelet deletes a node's slices when it starts and a driver's
+slices 30 s after losing it; an admin may delete them). The pool's generation
 moves only when the published devices change, and always past every generation seen, so consumers
 (the scheduler) never mistake a new pool for an old one. Slices are owned by the Node object, so the
 API server's garbage collector removes them with a deleted node, as the API expects.
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from kxpu.dra.slices import PoolContent, SharePolicy, Unhealthy, pool_content, same_devices
@@ -41,15 +44,20 @@ class SliceApi(Protocol):
 
     async def delete_slice(self, name: str) -> None: ...
 
+    def watch_slices(self, driver: str, node: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Every change to the driver's slices of the node (``ADDED``/``MODIFIED``/``DELETED``, the object),
+        starting with an ``ADDED`` for each slice there now; raises when the watch breaks."""
+        ...
+
 
 def slice_name(node: str, driver: str, index: int) -> str:
-    """``<node>-<driver>-<index>``: stable (updated in place), unique per node and driver, a DNS subdomain."""
+    """``<node>-<driver>-<hash>-<index>``: stable (updated in place), a DNS subdomain, and unique per node and
+    driver: the hash of the pair keeps node ``a-b`` with driver ``c.io`` apart from node ``a`` with driver
+    ``b-c.io`` (both ``a-b-c.io`` once joined), and names cut to fit apart."""
+    digest = hashlib.sha256(f"{node}\x00{driver}".encode()).hexdigest()[:8]
     raw = _NAME_UNSAFE.sub("-", f"{node}-{driver}".lower()).strip("-.")
-    suffix = f"-{index}"
-    if len(raw) + len(suffix) > MAX_NAME:
-        digest = hashlib.sha256(raw.encode()).hexdigest()[:10]
-        raw = raw[: MAX_NAME - len(suffix) - 11].rstrip("-.") + "-" + digest
-    return raw + suffix
+    suffix = f"-{digest}-{index}"
+    return raw[: MAX_NAME - len(suffix)].rstrip("-.") + suffix
 
 
 def _slice_order(obj: Mapping[str, Any]) -> tuple[int, str]:
@@ -111,7 +119,19 @@ class SlicePublisher:
         self.generation = 0  # the highest this process published or saw
         self.published: PoolContent | None = None
         self._node_uid: str | None = None
+        # Each slice as this process last wrote or read it (name → resourceVersion): a watch event that
+        # matches is the echo of our own write, anything else (a deletion by the kubelet or an admin, another
+        # writer) means the pool must be checked again.
+        self.known: dict[str, str | None] = {}
         self.log = log.bind(driver=driver, node=node)
+
+    def is_current(self, kind: str, obj: Mapping[str, Any]) -> bool:
+        """Whether a watch event only repeats what this publisher already knows."""
+        metadata = obj.get("metadata") or {}
+        name = metadata.get("name")
+        if kind == "DELETED":
+            return name not in self.known
+        return name in self.known and self.known[name] == metadata.get("resourceVersion")
 
     async def publish(
         self,
@@ -124,6 +144,7 @@ class SlicePublisher:
         if self._node_uid is None:
             self._node_uid = await self.api.node_uid(self.node)
         existing = sorted(await self.api.list_slices(self.driver, self.node), key=_slice_order)
+        self.known = {o["metadata"]["name"]: o["metadata"].get("resourceVersion") for o in existing}
         foreign = [o for o in existing if not _owned_by(o, self._node_uid)]
         mine = [o for o in existing if _owned_by(o, self._node_uid)]
         self.generation = max([self.generation, *(_generation(o) for o in existing)])
@@ -143,8 +164,17 @@ class SlicePublisher:
         if up_to_date:
             self.published = current
             return False
+        # About to write: the Node may have been deleted and created again since its UID was read (slices
+        # owned by the dead UID would be garbage-collected right after being written).
+        uid = await self.api.node_uid(self.node)
+        if uid != self._node_uid:
+            self.log.info("the Node object was created again; its slices get the new owner", uid=uid)
+            self._node_uid = uid
+            foreign = [o for o in existing if not _owned_by(o, uid)]
+            mine = [o for o in existing if _owned_by(o, uid)]
         for obj in foreign:  # a previous Node object of the same name: its slices go with it
             await self.api.delete_slice(obj["metadata"]["name"])
+            self.known.pop(obj["metadata"]["name"], None)
         self.generation += 1
         content = pool_content(
             self.driver, self.node, devices, self.generation, self.unhealthy, self.shares, held, counter_sets
@@ -155,6 +185,7 @@ class SlicePublisher:
             _keep_taint_times(spec, by_name.get(name))
             body = self._body(name, spec, by_name.get(name))
             got = await (self.api.replace_slice(body) if name in by_name else self.api.create_slice(body))
+            self.known[name] = (got.get("metadata") or {}).get("resourceVersion")
             if self.unhealthy == "taint" and _taints_dropped(spec, got):
                 self.log.warning(
                     "the API server dropped device taints (DRADeviceTaints off or unsupported); unhealthy devices "
@@ -164,6 +195,7 @@ class SlicePublisher:
                 return await self.publish(devices, held, counter_sets) or True
         for name in by_name.keys() - wanted.keys():
             await self.api.delete_slice(name)
+            self.known.pop(name, None)
         self.published = content
         self.log.info(
             "ResourceSlices published",
@@ -200,4 +232,5 @@ class SlicePublisher:
         for obj in await self.api.list_slices(self.driver, self.node):
             await self.api.delete_slice(obj["metadata"]["name"])
         self.published = None
+        self.known = {}
         self.log.info("ResourceSlices withdrawn")

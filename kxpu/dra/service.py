@@ -32,7 +32,7 @@ from kxpu.api.drahealth.v1alpha1 import api_pb2 as health_alpha
 from kxpu.api.drahealth.v1alpha1 import api_pb2_grpc as health_alpha_grpc
 from kxpu.api.pluginregistration.v1 import api_pb2 as reg
 from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from kxpu.daemon.servicer import DeviceSnapshot
+from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra.names import device_name
 from kxpu.dra.prepare import ClaimRef, Preparer
 from kxpu.logs import get_logger

@@ -68,6 +68,16 @@ class SharePolicy:
     def core_capacity(self) -> int:
         return int(100 * self.core_scaling)
 
+    def memory_default_mib(self, device: Device) -> int | None:
+        """The memory a claim naming no amount consumes (the scheduler fills ``consumedCapacity`` with it): the
+        whole capacity rounded down to the step (the API wants the default a multiple of it); None when the
+        device's memory is not published as consumable."""
+        memory = self.memory_capacity_mib(device)
+        step = self.memory_step_mib
+        if memory is None or memory < max(step, self.min_memory_mib + step):
+            return None
+        return memory // step * step
+
 
 @dataclass(frozen=True, slots=True)
 class PoolContent:
@@ -166,8 +176,8 @@ def shared_capacity(device: Device, policy: SharePolicy) -> dict[str, dict[str, 
     capacity: dict[str, dict[str, Any]] = {}
     memory = policy.memory_capacity_mib(device)
     step = policy.memory_step_mib
-    if memory is not None and memory >= max(step, policy.min_memory_mib + step):
-        whole = memory // step * step
+    whole = policy.memory_default_mib(device)
+    if memory is not None and whole is not None:
         capacity["memory"] = {
             "value": binary_quantity(memory * 2**20),
             "requestPolicy": {

@@ -139,7 +139,11 @@ class Partitioner(Protocol):
     devices before a container gets them and returns them as they now are, each with what ``release`` needs
     to destroy it again (kept on disk: the process that releases may not be the one that realized). Both may
     block (they run in a worker thread); a backend whose partitions always exist returns its devices as they
-    are and an empty handle."""
+    are and an empty handle.
+
+    ``release`` must be idempotent: a handle whose partition is already gone (released by an earlier call
+    whose process died before recording it, or destroyed by hand) is not an error. The DRA driver releases
+    before it forgets a claim, so after a crash in between it releases the same handles again."""
 
     def counter_sets(self) -> Sequence[CounterSet]: ...
 

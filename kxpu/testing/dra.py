@@ -22,7 +22,7 @@ import copy
 import itertools
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from kxpu.daemon.registration import FileIdentity, file_identity
 from kxpu.dra.names import is_dns_label
 from kxpu.dra.prepare import ClaimRef
+from kxpu.dra.quantity import parse_quantity
 from kxpu.dra.slices import MAX_DEVICES_PER_SLICE, MAX_DEVICES_PER_SLICE_WITH_TAINTS
 from kxpu.fswatch import directory_changes
 
@@ -62,6 +63,59 @@ def canonical_quantity(text: str) -> str:
     return str(value)
 
 
+def _check_request_policy(capacity: Mapping[str, Any], where: str) -> None:
+    """The API server's rules for a consumable capacity's request policy (``validateRequestPolicy`` in
+    pkg/apis/resource/validation, integer quantities)."""
+    policy = capacity.get("requestPolicy")
+    if policy is None:
+        return
+    value = parse_quantity(capacity["value"])
+    valid_range, valid_values = policy.get("validRange"), policy.get("validValues")
+    if valid_range is not None and valid_values:
+        raise ApiRefused(
+            422,
+            f'{where}: Forbidden: exactly one policy can be specified, cannot specify "validValues" and "validRange" at the same time',
+        )
+    if valid_range is None and not valid_values:
+        return
+    if policy.get("default") is None:
+        raise ApiRefused(422, f"{where}.default: Required value")
+    default = parse_quantity(policy["default"])
+    if valid_values:
+        options = [parse_quantity(v) for v in valid_values]
+        if options != sorted(options) or any(o > value for o in options) or default not in options:
+            raise ApiRefused(422, f"{where}.validValues: Invalid value: {valid_values}")
+        return
+    if valid_range.get("min") is None:
+        raise ApiRefused(422, f"{where}.validRange.min: Required value: required when validRange is defined")
+    low = parse_quantity(valid_range["min"])
+    high = parse_quantity(valid_range["max"]) if valid_range.get("max") is not None else None
+    step = parse_quantity(valid_range["step"]) if valid_range.get("step") is not None else None
+    problems = []
+    if low > value:
+        problems.append(f"validRange.min: min is larger than capacity value: {capacity['value']}")
+    if default < low:
+        problems.append(f"validRange.default: default is less than min: {valid_range['min']}")
+    if high is not None and (low > high or high > value or default > high):
+        problems.append(f"validRange.max: Invalid value: {valid_range['max']}")
+    if step is not None:
+        if step <= 0:
+            problems.append("validRange.step: must be greater than zero")
+        else:
+            if low + step > value:
+                problems.append(
+                    f"validRange.step: one step is larger than capacity value: {capacity['value']}"
+                )
+            for checked in (default, high):
+                if checked is not None and (checked - low) % step:
+                    problems.append(
+                        f"validRange.step: Invalid value: {checked}: value is not a multiple of a given step "
+                        f"({valid_range['step']}) from ({valid_range['min']})"
+                    )
+    if problems:
+        raise ApiRefused(422, f"{where}: " + "; ".join(problems))
+
+
 class ApiRefused(Exception):
     """What the fake API server refuses (status code and message, as lightkube's ApiError carries)."""
 
@@ -80,6 +134,12 @@ class FakeDraApi:
         self.writes = 0
         self.fail_next: Exception | None = None
         self._versions = itertools.count(1)
+        self._watchers: list[tuple[str, str, asyncio.Queue[tuple[str, dict[str, Any]]]]] = []
+
+    def _notify(self, kind: str, obj: Mapping[str, Any]) -> None:
+        for driver, node, queue in self._watchers:
+            if obj["spec"]["driver"] == driver and obj["spec"].get("nodeName") == node:
+                queue.put_nowait((kind, copy.deepcopy(dict(obj))))
 
     def _maybe_fail(self) -> None:
         if self.fail_next is not None:
@@ -101,10 +161,40 @@ class FakeDraApi:
             if s["spec"]["driver"] == driver and s["spec"].get("nodeName") == node
         ]
 
+    async def watch_slices(self, driver: str, node: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """As a watch without a resourceVersion: ADDED for each slice there now, then every change."""
+        self._maybe_fail()
+        queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        entry = (driver, node, queue)
+        self._watchers.append(entry)
+        try:
+            for obj in await self.list_slices(driver, node):
+                yield "ADDED", obj
+            while True:
+                yield await queue.get()
+        finally:
+            self._watchers.remove(entry)
+
+    def delete_node_slices(self, node: str, driver: str | None = None) -> list[str]:
+        """What the kubelet does at its start (every driver's slices of its node) and 30 s after losing a
+        driver's connection (that driver's): the names deleted."""
+        gone = [
+            name
+            for name, s in self.slices.items()
+            if s["spec"].get("nodeName") == node and driver in (None, s["spec"]["driver"])
+        ]
+        for name in gone:
+            self._notify("DELETED", self.slices.pop(name))
+            self.writes += 1
+        return gone
+
     def _check(self, body: Mapping[str, Any]) -> dict[str, Any]:
         stored = copy.deepcopy(dict(body))
         devices = stored["spec"].get("devices", [])
-        for device in devices:
+        for n, device in enumerate(devices):
+            for capacity_name, capacity in (device.get("capacity") or {}).items():
+                where = f"spec.devices[{n}].capacity[{capacity_name}].requestPolicy"
+                _check_request_policy(capacity, where)
             if not self.taints:
                 device.pop("taints", None)
             for taint in device.get("taints", []):  # the server stamps a taint when it first sees it
@@ -141,6 +231,7 @@ class FakeDraApi:
         stored["metadata"]["uid"] = str(uuid.uuid4())
         self.slices[name] = stored
         self.writes += 1
+        self._notify("ADDED", stored)
         return copy.deepcopy(stored)
 
     async def replace_slice(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -157,12 +248,15 @@ class FakeDraApi:
         stored["metadata"]["uid"] = old["metadata"]["uid"]
         self.slices[name] = stored
         self.writes += 1
+        self._notify("MODIFIED", stored)
         return copy.deepcopy(stored)
 
     async def delete_slice(self, name: str) -> None:
         self._maybe_fail()
-        if self.slices.pop(name, None) is not None:
+        old = self.slices.pop(name, None)
+        if old is not None:
             self.writes += 1
+            self._notify("DELETED", old)
 
     def pool(self, driver: str, node: str) -> list[dict[str, Any]]:
         """The devices the scheduler would see: the newest generation, only when the pool is complete."""
@@ -218,8 +312,10 @@ class RegisteredDriver:
 
 
 class DraKubeletStandIn:
-    def __init__(self, registry_dir: Path) -> None:
+    def __init__(self, registry_dir: Path, api: FakeDraApi | None = None, node: str = "node-a") -> None:
         self.registry_dir = registry_dir
+        self.api = api  # where its node's ResourceSlices live (the kubelet wipes them when it starts)
+        self.node = node
         self.drivers: dict[str, RegisteredDriver] = {}
         self.refused: list[tuple[str, str]] = []  # (socket, reason)
         self.registrations = 0
@@ -240,11 +336,17 @@ class DraKubeletStandIn:
             await self._drop(driver)
 
     async def restart(self) -> None:
-        """A kubelet restart: connections and registrations forgotten, then the directory scanned again."""
+        """A kubelet restart: connections and registrations forgotten, then the directory scanned again, and
+        every ResourceSlice of the node deleted as the kubelet's DRA plugin manager does when it starts
+        (``wipeResourceSlices`` for all drivers, in the background: here after the scan began, so a driver
+        may well have registered again before its slices go)."""
         await self.stop()
         self.drivers.clear()
         self._seen.clear()
         await self.start()
+        if self.api is not None:
+            await asyncio.sleep(0)  # the scan first: the worst order for a driver
+            self.api.delete_node_slices(self.node)
 
     async def _drop(self, driver: RegisteredDriver) -> None:
         if driver.health_task is not None:
@@ -279,9 +381,13 @@ class DraKubeletStandIn:
                 reason = f"none of {list(info.supported_versions)} are supported by the kubelet"
             elif not await asyncio.to_thread(Path(info.endpoint).is_socket):
                 reason = f"endpoint {info.endpoint} is not a socket"
-            await stub.NotifyRegistrationStatus(
-                reg.RegistrationStatus(plugin_registered=not reason, error=reason), timeout=5
-            )
+            try:
+                await stub.NotifyRegistrationStatus(
+                    reg.RegistrationStatus(plugin_registered=not reason, error=reason), timeout=5
+                )
+            except grpc.aio.AioRpcError as exc:  # the socket went meanwhile: the next change retries
+                self.refused.append((str(path), f"NotifyRegistrationStatus failed: {exc.details()}"))
+                return
         if reason:
             self.refused.append((str(path), reason))
             return
@@ -310,11 +416,8 @@ class DraKubeletStandIn:
                 self._changed.notify_all()
 
     async def wait_registered(self, driver: str, times: int = 1, timeout: float = 10.0) -> RegisteredDriver:
-        async with self._changed:
-            await asyncio.wait_for(
-                self._changed.wait_for(lambda: driver in self.drivers and self.registrations >= times),
-                timeout,
-            )
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(lambda: driver in self.drivers and self.registrations >= times)
         return self.drivers[driver]
 
     async def wait_health(
@@ -326,8 +429,8 @@ class DraKubeletStandIn:
             d = self.drivers.get(driver)
             return d is not None and bool(d.health) and bool(check(d.health[-1]))
 
-        async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(found), timeout)
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(found)
         return self.drivers[driver].health[-1]
 
     async def prepare(self, driver: str, *claims: ClaimRef) -> dra.NodePrepareResourcesResponse:
@@ -348,4 +451,10 @@ class DraKubeletStandIn:
         request = dra.NodeUnprepareResourcesRequest(
             claims=[dra.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
         )
+        if d.service == "v1beta1.DRAPlugin":
+            beta = dra_beta_grpc.DRAPluginStub(d.channel)
+            answer = await beta.NodeUnprepareResources(
+                dra_beta.NodeUnprepareResourcesRequest.FromString(request.SerializeToString()), timeout=45
+            )
+            return dra.NodeUnprepareResourcesResponse.FromString(answer.SerializeToString())
         return await dra_grpc.DRAPluginStub(d.channel).NodeUnprepareResources(request, timeout=45)
