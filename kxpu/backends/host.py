@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import importlib
 import os
 import stat
 from collections.abc import AsyncGenerator, Callable, Iterable
@@ -157,6 +158,22 @@ class Host:
             return os.path.basename(os.readlink(self.path(host_path)))
         except OSError:
             return None
+
+
+def chosen_host(
+    config: HostBackendConfig, given: Host | None, fake_env: str, fake_module: str, what: str
+) -> Host:
+    """The host a backend reads: the one a test passes; else the fake machine named by ``fake_env`` (a
+    profile or a tree's path, read by ``fake_module``'s ``from_env``: ``kxpu devices`` and the e2e suite
+    over a fake); else ``hostRoot``."""
+    if given is not None:
+        return given
+    value = os.environ.get(fake_env)
+    if not value:
+        return config.host
+    host = Host(importlib.import_module(fake_module).from_env(value))
+    log.warning(f"reading a fake {what} machine", root=str(host.root), env=fake_env)
+    return host
 
 
 async def host_changes(

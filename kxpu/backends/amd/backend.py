@@ -16,7 +16,6 @@ mounted read-only, no environment.
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 import time
 from collections import Counter
@@ -38,7 +37,7 @@ from kxpu.backends.amd.sysfs import (
     Unit,
     amdsmi_uuid,
 )
-from kxpu.backends.host import Host, HostBackendConfig, host_changes
+from kxpu.backends.host import Host, HostBackendConfig, chosen_host, host_changes
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
 from kxpu.model import Backend, BackendError, ContainerEdits, Device, DeviceNode, Health, Mount
@@ -87,16 +86,6 @@ class HygonConfig(AmdCommonConfig):
     hyhal_path: str = Field(default="/opt/hyhal", pattern=r"^/", description="mounted read-only")
 
 
-def fake_root() -> Host | None:
-    """The fake machine named by KXPU_FAKE_AMD (a profile or a tree's path), like KXPU_FAKE_NEURON."""
-    value = os.environ.get(FAKE_ENV)
-    if not value:
-        return None
-    from kxpu.testing.fake_amd import from_env
-
-    return Host(from_env(value))
-
-
 class _HealthMemory:
     """Uncorrectable counts per (GPU, source) and when each last rose, for recovery after quiet."""
 
@@ -123,10 +112,7 @@ class AmdBackend(Backend):
 
     def __init__(self, config: AmdCommonConfig, amdsmi: Any = None, host: Host | None = None) -> None:
         self.config = config
-        fake = fake_root() if host is None else None
-        self.host = host or fake or config.host
-        if fake is not None:
-            log.warning("reading a fake amdgpu machine", root=str(fake.root), env=FAKE_ENV)
+        self.host = chosen_host(config, host, FAKE_ENV, "kxpu.testing.fake_amd", "amdgpu")
         self.reader = AmdReader(self.host, self.vendor)
         self._lock = threading.Lock()
         self._memory = _HealthMemory(config.ras_recovery_seconds)

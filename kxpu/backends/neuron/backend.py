@@ -12,14 +12,13 @@ would reject.
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, field_validator
 
-from kxpu.backends.host import Host, HostBackendConfig, host_changes
+from kxpu.backends.host import Host, HostBackendConfig, chosen_host, host_changes
 from kxpu.backends.neuron.placement import compact, contiguous_run, is_contiguous
 from kxpu.backends.neuron.sysfs import (
     CLASS_DIR,
@@ -86,24 +85,11 @@ class Unit:
     device: NeuronDevice
 
 
-def fake_root() -> Host | None:
-    """The fake machine named by KXPU_FAKE_NEURON (a profile or a tree's path), like KXPU_FAKE_NVML."""
-    value = os.environ.get(FAKE_ENV)
-    if not value:
-        return None
-    from kxpu.testing.fake_neuron import from_env
-
-    return Host(from_env(value))
-
-
 @register_backend("neuron", NeuronConfig)
 class NeuronBackend(Backend):
     def __init__(self, config: NeuronConfig, host: Host | None = None) -> None:
         self.config = config
-        fake = fake_root() if host is None else None
-        self.host = host or fake or config.host
-        if fake is not None:
-            log.warning("reading a fake Neuron machine", root=str(fake.root), env=FAKE_ENV)
+        self.host = chosen_host(config, host, FAKE_ENV, "kxpu.testing.fake_neuron", "Neuron")
         self.reader = NeuronReader(self.host, config.sysfs_paths)
         self._units: dict[str, Unit] = {}
         self._reported: dict[int, tuple[str, ...]] | None = None  # what was last logged per device
