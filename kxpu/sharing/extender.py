@@ -38,7 +38,6 @@ kube-scheduler configuration (``KubeSchedulerConfiguration``)::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import time
@@ -122,6 +121,8 @@ def _nodes(args: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]] | None
     items = (_field(args, "Nodes") or {}).get("items") or []
     return [str((item.get("metadata") or {}).get("name", "")) for item in items], items
 
+
+KEY_REFRESH_S = 15.0  # how often the extender re-reads its keys and republishes the public ones
 
 NOT_SYNCED = "kxpu scheduler: node and pod caches not synced yet; retry"
 
@@ -270,16 +271,37 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
     """Run the extender until cancelled: caches from watches, keys from the Secret, HTTP on ``address``
     (and metrics and probes on ``metrics_address`` unless it is empty)."""
     from kxpu.kube.client import make_client
+    from kxpu.logs import error_text
     from kxpu.sharing.kube.api import KubeSchedulerAPI
     from kxpu.sharing.kube.informer import Informer
-    from kxpu.sharing.kube.keys import KeyStore
+    from kxpu.sharing.kube.keys import KeyStore, publish_public_keys
 
     client = make_client()
-    keys = KeyStore(config.signing_key, lambda: client)
+    keys = KeyStore([config.signing_key, *config.extra_keys], lambda: client)
     try:
-        await keys.load()
+        ring = await keys.load()
     except Exception as exc:
-        raise SystemExit(f"kxpu: error: cannot load the signing keys ({config.signing_key}): {exc}") from None
+        sources = ", ".join(s.describe() for s in keys.sources)
+        raise SystemExit(f"kxpu: error: cannot load the signing keys ({sources}): {exc}") from None
+    if ring.signer is None:
+        raise SystemExit(
+            "kxpu: error: the signing keys hold no key that can sign (an Ed25519 private key or an HMAC key): "
+            + ring.describe()
+        )
+
+    async def publish_keys() -> None:
+        if config.public_keys_config_map is None:
+            return
+        try:
+            await publish_public_keys(client, config.public_keys_config_map, keys.current())
+        except Exception as exc:
+            log.warning(
+                "could not publish the public keys",
+                configmap=config.public_keys_config_map,
+                error=error_text(exc),
+            )
+
+    await publish_keys()
     families = config.resource_families()
     state = ClusterState([f.count for f in families], stale_after_s=config.inventory_stale_seconds)
     informer = Informer(client, state, keys.current)
@@ -311,13 +333,22 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
         while True:
             tune_gc()
             await asyncio.sleep(300)
-            with contextlib.suppress(Exception):
+
+    async def refresh_keys() -> None:
+        # a rotation reaches the signer, and the nodes through the published public keys, within this
+        while True:
+            await asyncio.sleep(KEY_REFRESH_S)
+            try:
                 await keys.load()
+            except Exception as exc:
+                log.warning("could not reload the signing keys; using the last ones", error=error_text(exc))
+            await publish_keys()
 
     try:
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(informer.run())
             tasks.create_task(housekeeping())
+            tasks.create_task(refresh_keys())
             tasks.create_task(
                 sweep_locks(state, kube_api, config.lock_timeout_seconds, informer.synced_event)
             )

@@ -88,7 +88,7 @@ class NodeLink(Protocol):
     async def warn(self, lock: NodeLock | None, reason: str, message: str) -> None:
         """A Warning event on the pod (or the node when no pod is known)."""
 
-    async def keys(self) -> list[bytes]: ...
+    async def keys(self) -> signing.Keys: ...
 
 
 class NotYet(Exception):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from lightkube import AsyncClient
@@ -30,7 +30,7 @@ from kxpu.sharing.state import ClusterState
 log = get_logger("kxpu.sharing.kube.informer")
 
 
-def live_assignment(pod: Any, keys: Sequence[bytes]) -> Assignment | None:
+def live_assignment(pod: Any, keys: signing.Keys) -> Assignment | None:
     meta = pod.metadata
     annotations = annotations_of(pod)
     if signing.ASSIGNMENT_ANNOTATION not in annotations:
@@ -79,7 +79,7 @@ def _list_version(listing: Any) -> str | None:
 
 
 class Informer:
-    def __init__(self, client: AsyncClient, state: ClusterState, keys: Callable[[], Sequence[bytes]]) -> None:
+    def __init__(self, client: AsyncClient, state: ClusterState, keys: Callable[[], signing.Keys]) -> None:
         self.client = client
         self.state = state
         self.keys = keys

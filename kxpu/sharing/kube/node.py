@@ -15,13 +15,14 @@ from kxpu.sharing.inventory import SHARING_NODE_LABEL
 from kxpu.sharing.kube.api import release
 from kxpu.sharing.kube.keys import KeyStore
 from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, LockError, NodeLock, allocated_key, lock_key
+from kxpu.sharing.signing import Keyring
 
 
 class KubeNodeLink:
     def __init__(self, node: str, config: SharingConfig, client: AsyncClient | None = None) -> None:
         self.node = node
         self._client = client
-        self._keys = KeyStore(config.signing_key, lambda: self.client)
+        self._keys = KeyStore([config.signing_key, *config.extra_keys], lambda: self.client, private_ok=False)
 
     @property
     def client(self) -> AsyncClient:
@@ -70,5 +71,5 @@ class KubeNodeLink:
         else:
             await post_event(self.client, "Node", "default", self.node, None, reason, message, "kxpu-node")
 
-    async def keys(self) -> list[bytes]:
+    async def keys(self) -> Keyring:
         return await self._keys.get()
