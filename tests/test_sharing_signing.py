@@ -62,7 +62,9 @@ def test_openssl_keys_are_read_too(tmp_path: Path) -> None:
     key = tmp_path / "key.pem"
     try:
         subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", key], check=True)
-        pub = subprocess.run(["openssl", "pkey", "-in", key, "-pubout"], check=True, capture_output=True).stdout
+        pub = subprocess.run(
+            ["openssl", "pkey", "-in", key, "-pubout"], check=True, capture_output=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("no openssl with Ed25519")
     ring = signing.parse_keyring(key.read_bytes())
@@ -84,7 +86,9 @@ def test_rotation_accepts_every_published_key_and_the_first_signs() -> None:
     # step 3: the old key is gone: its assignments are refused, naming the key id
     node3 = signing.parse_keyring(signing.parse_keyring(PRIVATE_NEW).public_pems(), private_ok=False)
     old_id = old_sig.split(".")[1]
-    with pytest.raises(signing.SignatureError, match=f"unknown Ed25519 key {old_id} \\(rotated out, or forged\\)"):
+    with pytest.raises(
+        signing.SignatureError, match=f"unknown Ed25519 key {old_id} \\(rotated out, or forged\\)"
+    ):
         _verify(old_sig, node3)
     assert _verify(new_sig, node3) == ASSIGNMENT
 
@@ -120,7 +124,10 @@ def test_an_hmac_node_refuses_ed25519_with_a_clear_message() -> None:
         ("short\n", "entry 0 \\(an HMAC key\\) is 5 bytes"),
         ("-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n", "entry 0 is not a readable PEM key"),
         ("-----BEGIN PUBLIC KEY-----\nAAAA\n", "no matching END line"),
-        ("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n", "expected PRIVATE KEY or PUBLIC KEY"),
+        (
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+            "expected PRIVATE KEY or PUBLIC KEY",
+        ),
     ],
 )
 def test_bad_key_material_gets_a_one_line_error(text: str, message: str) -> None:
@@ -133,8 +140,10 @@ def test_a_non_ed25519_key_is_refused_by_name() -> None:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-    pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
-    with pytest.raises(ValueError, match="entry 0 is a .*PrivateKey, not an Ed25519 private key"):
+    pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
+    )
+    with pytest.raises(ValueError, match=r"entry 0 is a .*PrivateKey, not an Ed25519 private key"):
         signing.parse_keyring(pem)
 
 
@@ -166,10 +175,7 @@ def test_any_change_to_a_signed_assignment_or_its_signature_is_refused(data: st.
     char = data.draw(st.characters(codec="ascii").filter(lambda c: c != original[pos]))
     changed = original[:pos] + char + original[pos + 1 :]
     try:
-        if target == "text":
-            got = _verify(sig, NODE, text=changed)
-        else:
-            got = _verify(changed, NODE)
+        got = _verify(sig, NODE, text=changed) if target == "text" else _verify(changed, NODE)
     except signing.SignatureError:
         return
     # base64 may decode two spellings to the same bytes, and JSON may parse two texts to one value:

@@ -85,7 +85,9 @@ class KeySource(_Model):
     @model_validator(mode="after")
     def _one(self) -> KeySource:
         if sum(x is not None for x in (self.secret, self.config_map, self.file)) != 1:
-            raise ValueError("set exactly one of secret (namespace/name), configMap (namespace/name) and file")
+            raise ValueError(
+                "set exactly one of secret (namespace/name), configMap (namespace/name) and file"
+            )
         for kind, ref in (("secret", self.secret), ("configMap", self.config_map)):
             if ref is not None and ref.count("/") != 1:
                 raise ValueError(f"{kind} {ref!r} must be namespace/name")

@@ -97,9 +97,7 @@ def public_pem(key: Ed25519PublicKey) -> str:
 def generate_private_pem() -> str:
     """A new Ed25519 private key, PKCS#8 PEM (what ``openssl genpkey -algorithm ed25519`` writes)."""
     return (
-        Ed25519PrivateKey.generate()
-        .private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
-        .decode()
+        Ed25519PrivateKey.generate().private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()).decode()
     )
 
 
