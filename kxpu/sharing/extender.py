@@ -238,7 +238,7 @@ class MeteredAPI:
 
 
 class LockSweeper(Protocol):
-    async def sweep_lock(self, node: str, resource: str, text: str) -> str | None: ...
+    async def sweep_lock(self, node: str, resource: str, text: str, in_lease: bool = False) -> str | None: ...
 
 
 async def sweep_locks(
@@ -255,14 +255,16 @@ async def sweep_locks(
     while True:
         await asyncio.sleep(interval)
         wall = time.time()
-        for node, resource, text in state.held_locks():
+        held = [(n, r, t, False) for n, r, t in state.held_locks()]
+        held += [(n, r, t, True) for n, r, t in state.held_leases()]
+        for node, resource, text, in_lease in held:
             try:
                 if wall - NodeLock.decode(text).acquired < lock_ttl_s:
                     continue
             except LockError:
                 continue
             try:
-                await api.sweep_lock(node, resource, text)
+                await api.sweep_lock(node, resource, text, in_lease)
             except Exception as exc:
                 log.warning("could not check a node lock", node=node, resource=resource, error=str(exc))
 
@@ -304,7 +306,8 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
     await publish_keys()
     families = config.resource_families()
     state = ClusterState([f.count for f in families], stale_after_s=config.inventory_stale_seconds)
-    informer = Informer(client, state, keys.current)
+    lease = config.node_lock == "lease"
+    informer = Informer(client, state, keys.current, config.lock_namespace if lease else None)
     kube_api = KubeSchedulerAPI(
         client,
         owner,
@@ -312,6 +315,10 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
         hard_expiry_s=config.lock_hard_expiry_seconds,
         on_takeover=lambda why: metrics.LOCK_TAKEOVERS.labels(metrics.takeover_cause(why)).inc(),
         cached=state.lock_view,
+        node_lock=config.node_lock,
+        lock_namespace=config.lock_namespace,
+        lease_node=state.lease_node,
+        cached_lease=state.lease_view,
     )
     api = MeteredAPI(kube_api)
     scheduler = Scheduler(state, families, keys.current, api, config.node_policy, config.device_policy)
