@@ -124,7 +124,7 @@ def sharing_config(lock_namespace: str = "kxpu-system") -> SharingConfig:
 class StaticKeys(KubeNodeLink):
     ring: signing.Keys = KEYS
 
-    async def keys(self) -> signing.Keys:  # type: ignore[override]
+    async def keys(self, fresh: bool = False) -> signing.Keys:  # type: ignore[override]
         return self.ring
 
 

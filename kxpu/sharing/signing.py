@@ -361,6 +361,12 @@ def verify(
     return assignment
 
 
+def is_unknown_key(exc: SignatureError) -> bool:
+    """Whether the refusal was for a key not held here (worth reading the keys again: a rotation)."""
+    text = str(exc)
+    return "unknown" in text or "no Ed25519 public key is configured" in text
+
+
 def check_signature(assignment: Assignment, signature: str, keys: Keys) -> None:
     """Raise SignatureError unless ``signature`` is one of ``keys``' over ``assignment``; the message says why."""
     ring = as_keyring(keys)

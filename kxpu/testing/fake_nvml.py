@@ -441,7 +441,9 @@ class FakeNvml:
         used = min(total - reserved, sum((p.memory_mib or 0) * MIB for p in self._processes_of(handle, gpu)))
         if version == pynvml.nvmlMemory_v2:
             free = total - reserved - used
-            return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, free=free, used=used)
+            return pynvml.c_nvmlMemory_v2_t(
+                version=version, total=total, reserved=reserved, free=free, used=used
+            )
         if version:  # driver 580 answers an unknown structure version so, not ARGUMENT_VERSION_MISMATCH
             raise _err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         return pynvml.c_nvmlMemory_t(total=total, free=total - reserved - used, used=reserved + used)

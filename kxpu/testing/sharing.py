@@ -200,5 +200,5 @@ class FakeNodeLink:
     async def warn(self, lock: NodeLock | None, reason: str, message: str) -> None:
         self.cluster.events.append((lock.pod if lock else f"node/{self.node}", reason, message))
 
-    async def keys(self) -> Keys:
+    async def keys(self, fresh: bool = False) -> Keys:
         return self.cluster.keyring

@@ -76,8 +76,10 @@ class KeyStore:
         self._keys, self._loaded_at = ring, time.monotonic()
         return ring
 
-    async def get(self) -> Keyring:
-        if not self._keys or time.monotonic() - self._loaded_at > self.refresh_s:
+    async def get(self, fresh: bool = False) -> Keyring:
+        """The keys, read again when older than ``refresh_s`` (``fresh``: older than a second)."""
+        age = time.monotonic() - self._loaded_at
+        if not self._keys or age > self.refresh_s or (fresh and age > 1.0):
             try:
                 return await self.load()
             except Exception as exc:

@@ -103,5 +103,5 @@ class KubeNodeLink:
         else:
             await post_event(self.client, "Node", "default", self.node, None, reason, message, "kxpu-node")
 
-    async def keys(self) -> Keyring:
-        return await self._keys.get()
+    async def keys(self, fresh: bool = False) -> Keyring:
+        return await self._keys.get(fresh)
