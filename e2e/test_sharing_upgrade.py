@@ -83,6 +83,13 @@ def restart(sharing: Sharing, *procs: Proc) -> None:
                 "extender /readyz", lambda: _http_ok(f"http://127.0.0.1:{EXTENDER_PORT}/readyz"), 60
             )
         if proc is sharing.daemon:
+            # the kubelet keeps the old registration's allocatable for a while: wait for the new one, or a pod
+            # admitted meanwhile finds no endpoint (UnexpectedAdmissionError)
+            kube.wait_until(
+                "the restarted daemon registered with the kubelet",
+                lambda: "registered with the kubelet" in proc.log.read_text().rsplit("--- start", 1)[-1],
+                60,
+            )
             sharing.wait_node_ready()
 
 
