@@ -87,7 +87,9 @@ def restart(sharing: Sharing, *procs: Proc) -> None:
             # admitted meanwhile finds no endpoint (UnexpectedAdmissionError)
             kube.wait_until(
                 "the restarted daemon registered with the kubelet",
-                lambda: "registered with the kubelet" in proc.log.read_text().rsplit("--- start", 1)[-1],
+                lambda: (
+                    "registered with the kubelet" in sharing.daemon.log.read_text().rsplit("--- start", 1)[-1]
+                ),
                 60,
             )
             sharing.wait_node_ready()
