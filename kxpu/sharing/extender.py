@@ -117,8 +117,17 @@ def _nodes(args: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]] | None
     """Node names, and the full node objects when kube-scheduler sent them (nodeCacheCapable false)."""
     names = _field(args, "NodeNames")
     if names is not None:
-        return [str(n) for n in names], None
-    items = (_field(args, "Nodes") or {}).get("items") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise web.HTTPBadRequest(text="NodeNames: expected a list of node names")
+        return names, None
+    nodes = _field(args, "Nodes") or {}
+    items = nodes.get("items") if isinstance(nodes, dict) else None
+    if not isinstance(nodes, dict) or not isinstance(items or [], list):
+        raise web.HTTPBadRequest(text="Nodes: expected a NodeList object with items")
+    items = items or []
+    for n, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("metadata") or {}, dict):
+            raise web.HTTPBadRequest(text=f"Nodes.items[{n}]: expected a Node object")
     return [str((item.get("metadata") or {}).get("name", "")) for item in items], items
 
 
@@ -200,8 +209,10 @@ def make_app(scheduler: Scheduler, ready: Callable[[], bool] = lambda: True) -> 
     return app
 
 
-def _pod_name(pod: dict[str, Any]) -> str:
-    meta = pod.get("metadata") or {}
+def _pod_name(pod: Any) -> str:
+    meta = (pod.get("metadata") if isinstance(pod, dict) else None) or {}
+    if not isinstance(meta, dict):
+        return "?"
     return f"{meta.get('namespace')}/{meta.get('name')}"
 
 
