@@ -237,16 +237,19 @@ def check_pod_shape(pod: Any) -> None:
     if not isinstance(pod, dict):
         raise RequestError(f"pod: expected an object, got {type(pod).__name__}")
     meta = _expect(pod.get("metadata"), dict, "pod.metadata") or {}
-    for key, value in (_expect(meta.get("annotations"), dict, "pod.metadata.annotations") or {}).items():
-        if not isinstance(value, str):
-            raise RequestError(
-                f"pod.metadata.annotations[{key!r}]: expected a string, got {type(value).__name__}"
-            )
+    for field in ("annotations", "labels"):
+        for key, value in (_expect(meta.get(field), dict, f"pod.metadata.{field}") or {}).items():
+            if not isinstance(value, str):
+                kind = type(value).__name__
+                raise RequestError(f"pod.metadata.{field}[{key!r}]: expected a string, got {kind}")
     spec = _expect(pod.get("spec"), dict, "pod.spec") or {}
     for field in ("initContainers", "containers"):
         for n, container in enumerate(_expect(spec.get(field), list, f"pod.spec.{field}") or []):
             where = f"pod.spec.{field}[{n}]"
             _expect(container, dict, where)
+            _expect(container.get("securityContext"), dict, f"{where}.securityContext")
+            for m, env in enumerate(_expect(container.get("env"), list, f"{where}.env") or []):
+                _expect(env, dict, f"{where}.env[{m}]")
             resources = _expect(container.get("resources"), dict, f"{where}.resources") or {}
             for kind in ("limits", "requests"):
                 for name, value in (
