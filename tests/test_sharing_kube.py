@@ -32,7 +32,7 @@ from kxpu.sharing.config import KeySource, SharingConfig
 from kxpu.sharing.kube.api import KubeSchedulerAPI, release
 from kxpu.sharing.kube.informer import Informer
 from kxpu.sharing.kube.keys import KeyStore, publish_public_keys
-from kxpu.sharing.kube.lease import LeaseLocks
+from kxpu.sharing.kube.lease import LeaseLocks, LeaseNamespaceMissing
 from kxpu.sharing.kube.node import KubeNodeLink
 from kxpu.sharing.lock import HARD_EXPIRED, allocated_key, lease_name, lock_key
 from kxpu.sharing.node import SharingBackend, parent_id
@@ -545,3 +545,10 @@ async def _gone(env: Env, name: str) -> bool:
     except Exception:
         return True
     return False
+
+
+async def test_a_missing_lock_namespace_is_named(env: Env) -> None:
+    missing = f"{env.namespace}-missing"
+    api = KubeSchedulerAPI(env.client, "extender", node_lock="lease", lock_namespace=missing)
+    with pytest.raises(LeaseNamespaceMissing, match=f"namespace '{missing}' does not exist \\(lockNamespace"):
+        await api.acquire_lock(env.node, NPU, await env.pod("p", {}))

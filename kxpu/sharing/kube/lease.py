@@ -29,6 +29,10 @@ from kxpu.sharing.lock import (
 _CAS_ATTEMPTS = 5
 
 
+class LeaseNamespaceMissing(RuntimeError):
+    """The lock namespace does not exist (a config error, named in the message)."""
+
+
 class LeaseLocks:
     def __init__(self, client: AsyncClient, namespace: str, ttl_s: float = 60.0) -> None:
         self.client = client
@@ -68,6 +72,11 @@ class LeaseLocks:
         except ApiError as exc:
             if is_status(exc, 409):
                 return False
+            if is_status(exc, 404):
+                raise LeaseNamespaceMissing(
+                    f"cannot create the node lock Lease: namespace {self.namespace!r} does not exist "
+                    "(lockNamespace in the config)"
+                ) from None
             raise
         return True
 
