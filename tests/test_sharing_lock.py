@@ -156,3 +156,50 @@ def test_lock_lease_names_are_valid_and_distinct(node: str, resource: str) -> No
     name = lease_name(node, resource)
     assert len(name) <= 253 and _SUBDOMAIN.match(name), name
     assert lease_name(node, resource + "x") != name and lease_name(node + "x", resource) != name
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["lease", "annotation", "node-lease-protocol", "remove-node", "delete-lease"]),
+            st.sampled_from(["a", "b"]),
+            st.booleans(),
+        ),
+        max_size=30,
+    )
+)
+def test_the_cache_says_locked_exactly_while_a_lease_or_an_annotation_holds_a_lock(
+    ops: list[tuple[str, str, bool]],
+) -> None:
+    """Any order of Lease and Node watch events: ``locked`` is true exactly while the node's last seen Lease or
+    last seen annotation names a pod (a rolling upgrade has both kinds at once), and the sweeper sees each."""
+    state = ClusterState([RES])
+    held = NodeLock("ns", "p", "u", "x", 1.0, 2.0).encode()
+    lease: dict[str, bool] = {}
+    annotation: dict[str, bool] = {}
+    protocol: dict[str, bool] = {}
+    for op, node, flag in ops:
+        if op == "lease":
+            state.set_lease(node, RES, "1", held if flag else None)
+            lease[node] = flag
+        elif op == "delete-lease":
+            state.set_lease(node, RES, None, None)
+            lease[node] = False
+        elif op in ("annotation", "node-lease-protocol"):
+            if op == "annotation":
+                annotation[node] = flag
+            else:
+                protocol[node] = flag
+            annotations = {lock_key(RES): held} if annotation.get(node) else {}
+            if protocol.get(node):
+                annotations[LOCK_PROTOCOL_ANNOTATION] = "lease"
+            state.set_node(node, annotations, "1")
+        else:
+            state.remove_node(node)
+            annotation[node] = protocol[node] = False
+        for n in ("a", "b"):
+            assert state.locked(n) == (lease.get(n, False) or annotation.get(n, False)), (n, ops)
+            assert state.lease_node(n) == protocol.get(n, False)
+    assert {n for n, _, _ in state.held_leases()} == {n for n, v in lease.items() if v}
+    assert {n for n, _, _ in state.held_locks()} == {n for n, v in annotation.items() if v}
