@@ -43,9 +43,7 @@ class AcmeBackend(Backend):
                 Device(
                     id=entry.name,
                     uuid=(entry / "uuid").read_text().strip(),
-                    health=Health.HEALTHY
-                    if (entry / "status").read_text().strip() == "ok"
-                    else Health.UNHEALTHY,
+                    health=Health.HEALTHY if (entry / "status").read_text().strip() == "ok" else Health.UNHEALTHY,
                     numa_nodes=(numa,) if numa >= 0 else (),
                     model="acme-npu",
                 )
