@@ -552,3 +552,37 @@ async def test_a_missing_lock_namespace_is_named(env: Env) -> None:
     api = KubeSchedulerAPI(env.client, "extender", node_lock="lease", lock_namespace=missing)
     with pytest.raises(LeaseNamespaceMissing, match=f"namespace '{missing}' does not exist \\(lockNamespace"):
         await api.acquire_lock(env.node, NPU, await env.pod("p", {}))
+
+
+async def test_a_first_lock_creates_the_lease_in_one_request_and_a_stale_cache_is_safe(env: Env) -> None:
+    writes: list[str] = []
+    real_create, real_patch, real_get = env.client.create, env.client.patch, env.client.get
+
+    async def create(*args: Any, **kw: Any) -> Any:
+        writes.append("create")
+        return await real_create(*args, **kw)
+
+    async def patch(*args: Any, **kw: Any) -> Any:
+        writes.append("patch")
+        return await real_patch(*args, **kw)
+
+    async def get(*args: Any, **kw: Any) -> Any:
+        writes.append("get")
+        return await real_get(*args, **kw)
+
+    first, second = await env.pod("first", {}), await env.pod("second", {})
+    node_view = (await node_version(env), None)  # the node cache: no annotation lock
+    synced = lease_api(env, "a", cached=lambda n, r: node_view, lease_cache_synced=lambda: True)
+    env.client.create, env.client.patch, env.client.get = create, patch, get  # type: ignore[method-assign]
+    try:
+        await synced.acquire_lock(env.node, NPU, first)
+        assert writes == ["create"]
+        # another replica whose Lease cache has not seen it yet: its create conflicts, it reads, it waits
+        writes.clear()
+        with pytest.raises(LockBusy):
+            await lease_api(
+                env, "b", cached=lambda n, r: node_view, lease_cache_synced=lambda: True
+            ).acquire_lock(env.node, NPU, second)
+        assert writes[:2] == ["create", "get"]
+    finally:
+        del env.client.create, env.client.patch, env.client.get

@@ -330,6 +330,7 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
         lock_namespace=config.lock_namespace,
         lease_node=state.lease_node,
         cached_lease=state.lease_view,
+        lease_cache_synced=lambda: informer.synced("leases"),
     )
     api = MeteredAPI(kube_api)
     scheduler = Scheduler(state, families, keys.current, api, config.node_policy, config.device_policy)

@@ -46,6 +46,7 @@ class KubeSchedulerAPI:
         lock_namespace: str = "kxpu-system",
         lease_node: Callable[[str], bool] = lambda node: True,
         cached_lease: Callable[[str, str], tuple[str, str | None] | None] = lambda node, resource: None,
+        lease_cache_synced: Callable[[], bool] = lambda: False,
     ) -> None:
         self.client = client
         self.owner = owner
@@ -60,6 +61,7 @@ class KubeSchedulerAPI:
         self.lease_node = lease_node
         # (resourceVersion, lock text) of a lock Lease as the Lease cache last saw it (ClusterState.lease_view)
         self.cached_lease = cached_lease
+        self.lease_cache_synced = lease_cache_synced  # whether cached_lease's None means "no such Lease"
 
     def uses_lease(self, node: str) -> bool:
         return self.node_lock == "lease" and self.lease_node(node)
@@ -111,12 +113,17 @@ class KubeSchedulerAPI:
             # pod until it is admitted, as it did: wait for it, or recover it and drop it.
             await self._clear_annotation(node, resource, pod)
         view = self.cached_lease(node, resource)
-        if (
+        if view is None and self.lease_cache_synced():
+            # The Lease cache has never seen this node's lock Lease: its first lock creates it (one request;
+            # a 409 means another replica was first, and the long way below reads it).
+            if await self.leases.create(node, resource, self._new_lock(pod)):
+                return
+        elif (
             view is not None
             and view[1] is None
             and await self.leases.cas(node, resource, view[0], self._new_lock(pod))
         ):
-            return
+            return  # free as the cache last saw it: one compare-and-swap at that version, no read
         for _ in range(_CAS_ATTEMPTS):
             got = await self.leases.read(node, resource)
             if got is None:

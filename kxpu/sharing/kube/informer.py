@@ -102,6 +102,10 @@ class Informer:
             self._synced["leases"] = False
         self.synced_event = asyncio.Event()
 
+    def synced(self, what: str) -> bool:
+        """Whether the cache of ``what`` (nodes, pods, leases) has been listed (and is watched since)."""
+        return self._synced.get(what, False)
+
     @property
     def ready(self) -> bool:
         return all(self._synced.values())
