@@ -539,6 +539,7 @@ def test_scheduler_deployment(sharing: Rendered) -> None:
         {"name": "signing-key", "secret": {"secretName": "kxpu-signing-ed25519", "defaultMode": 0o440}},
     ]
     assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]  # reads the 0440 key
 
 
 def test_webhook_deployment_and_tls(sharing: Rendered) -> None:
