@@ -767,3 +767,21 @@ def test_the_upgrade_from_hmac_keys_step_by_step(
 )
 def test_bad_signing_values_are_refused(helm: Path, args: list[str], message: str) -> None:
     assert message in template_error(helm, "-f", str(SHARING_VALUES), *args)
+
+
+def test_two_scheduler_replicas_elect_a_leader(helm: Path) -> None:
+    """A standby kube-scheduler + extender pair: both replicas' kube-schedulers take part in leader election."""
+    rendered = template(helm, "-f", str(SHARING_VALUES), "--set", "scheduler.replicas=2")
+    assert rendered.one("Deployment", "kxpu-scheduler")["spec"]["replicas"] == 2
+    config = yaml.safe_load(rendered.one("ConfigMap", "kxpu-sharing")["data"]["scheduler-config.yaml"])
+    assert config["leaderElection"]["leaderElect"] is True
+    message = template_error(
+        helm,
+        "-f",
+        str(SHARING_VALUES),
+        "--set",
+        "scheduler.replicas=2",
+        "--set",
+        "scheduler.kubeScheduler.leaderElect=false",
+    )
+    assert "scheduler.replicas > 1 needs scheduler.kubeScheduler.leaderElect: true" in message
