@@ -184,14 +184,21 @@ def test_key_rotation_with_pods_running(sharing: Sharing) -> None:
     sharing.create(sharing.pod("after", {RES: 1, MEM: 1000, CORES: 10}))
     after = wait_running(sharing, ["after"])["after"]
     assert scheme_of(after) == ("v2", new_id)
-    # 3. the old key dropped, once no assignment signed with it can still be pending
-    sharing.set_signing_keys(new_pem)
-    kube.wait_until("only the new key published", lambda: sharing.published_key_ids() == {new_id}, 45)
+    # 3. the old private key retired (its public block stays while pods signed with it run: they still count)
+    old_public = signing.parse_keyring(sharing.old_private_pems[-1]).public_pems()
+    sharing.set_signing_keys(new_pem + old_public)
+    assert sharing.published_key_ids() == {old_id, new_id}  # both still verify, on the nodes too
     sharing.create(sharing.pod("last", {RES: 1, MEM: 1000, CORES: 10}))
     pods = wait_running(sharing, ["before", "after", "last"])
     assert scheme_of(pods["last"]) == ("v2", new_id)
     assert kube.container_state(pods["before"]) == kube.container_state(before)
     assert_within_capacity(sharing.granted(p) for p in pods.values())
+    # 4. once no pod signed with the old key is left, its public key goes too
+    sharing.cluster.kubectl("delete", "pod", "before", "-n", NS, "--wait=true", "--timeout=60s")
+    sharing.set_signing_keys(new_pem)
+    kube.wait_until("only the new key published", lambda: sharing.published_key_ids() == {new_id}, 45)
+    sharing.create(sharing.pod("final", {RES: 1, MEM: 1000, CORES: 10}))
+    assert scheme_of(wait_running(sharing, ["final"])["final"]) == ("v2", new_id)
 
 
 def test_lease_lock_upgrade_loses_no_held_lock(sharing: Sharing) -> None:
