@@ -165,8 +165,8 @@ def test_upgrade_from_hmac_to_ed25519_with_pods_bound(sharing: Sharing) -> None:
 def test_key_rotation_with_pods_running(sharing: Sharing) -> None:
     """2. Rotate the extender's Ed25519 key: publish the new key beside the old, sign with the new, drop the old.
     Pods admitted under the old key keep running; the node admits pods signed with the new key at once."""
-    sharing.write_configs(signing_scheme="ed25519")
-    restart(sharing, sharing.extender)
+    sharing.write_configs(signing_scheme="ed25519", node_signing="ed25519")
+    restart(sharing, sharing.extender, sharing.daemon)  # (the daemon too when this scenario runs alone)
     old_id = next(iter(signing.parse_keyring(sharing.private_pem).public_keys))
     sharing.create(sharing.pod("before", {RES: 1, MEM: 1000, CORES: 10}))
     before = wait_running(sharing, ["before"])["before"]
