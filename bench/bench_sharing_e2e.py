@@ -23,8 +23,13 @@ client QPS of 50 caps it at about 55 pods/s on any machine.) Everything created 
 containerd, a kubelet, kubectl or kube-controller-manager (``KXPU_K8S_BIN`` names a directory of binaries).
 Nothing here runs kubectl in either mode.
 
+``--node-lock lease|annotation`` (default lease): where the extender locks a node between bind and Allocate.
+Reported for both, per pod bound: the API server's write requests (``apiserver_request_total``, verbs create,
+update, patch, delete) by resource, and the watch events a watcher of every Node receives (as each CNI agent,
+kube-proxy or monitoring agent of a cluster does) and a watcher of the lock Leases (the extender alone).
+
 ``python bench/bench_sharing_e2e.py [--nodes 500] [--pods 1000] [--policy spread] [--baseline]
-[--control-plane-only] [--json]``
+[--node-lock lease] [--control-plane-only] [--json]``
 """
 
 from __future__ import annotations
@@ -49,14 +54,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lightkube.resources.coordination_v1 import Lease
 from measure import cpu_seconds, percentile
 
 from e2e.cluster import Cluster, exclusive
 from e2e.sharing_support import CORES, EXTENDER_METRICS_PORT, MEM, NS, RES, SCHEDULER, SPLIT, Sharing
+from kxpu.kube.client import get_raw
 from kxpu.sharing import inventory
 from kxpu.sharing.inventory import SHARING_NODE_LABEL
 from kxpu.sharing.kube.api import release
-from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, allocated_key
+from kxpu.sharing.kube.lease import LeaseLocks
+from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, LOCK_PROTOCOL_ANNOTATION, allocated_key, lock_key
 from kxpu.sharing.model import NodeInventory, SharedDevice
 
 BENCH_LABEL = "kxpu-bench"
@@ -88,7 +96,8 @@ async def create_node(client: AsyncClient, name: str) -> None:
     meta = ObjectMeta(
         name=name,
         labels={BENCH_LABEL: "true", SHARING_NODE_LABEL: "true"},
-        annotations={inventory.annotation_key(RES): node_inventory(name)},
+        # as a daemon of this release announces: it reads lock Leases
+        annotations={inventory.annotation_key(RES): node_inventory(name), LOCK_PROTOCOL_ANNOTATION: "lease"},
     )
     await client.create(Node(metadata=meta))
     slots = str(DEVICES_PER_NODE * SPLIT)
@@ -123,8 +132,9 @@ async def gather_limited(limit: int, coros: list[Any]) -> None:
     await asyncio.gather(*(one(c) for c in coros))
 
 
-async def stand_in_node(client: AsyncClient, pod: Pod) -> None:
-    """What the node daemon does once a pod's last container is allocated: mark it, release the lock."""
+async def stand_in_node(client: AsyncClient, pod: Pod, lease: bool) -> None:
+    """What the node daemon does once a pod's last container is allocated: mark it, release the lock (read at
+    Allocate, then released with one JSON patch naming it)."""
     meta = pod.metadata
     assert meta is not None and pod.spec is not None and pod.spec.nodeName
     patch = {
@@ -133,7 +143,14 @@ async def stand_in_node(client: AsyncClient, pod: Pod) -> None:
         }
     }
     await client.patch(Pod, str(meta.name), patch, namespace=NS, patch_type=PatchType.MERGE)
-    await release(client, pod.spec.nodeName, RES, str(meta.uid))
+    if lease:
+        locks = LeaseLocks(client, NS)
+        got = await locks.read(pod.spec.nodeName, RES)
+        await locks.release(pod.spec.nodeName, RES, str(meta.uid), got[1] if got else None)
+    else:
+        node = await client.get(Node, pod.spec.nodeName)
+        held = ((node.metadata.annotations if node.metadata else None) or {}).get(lock_key(RES))
+        await release(client, pod.spec.nodeName, RES, str(meta.uid), held)
 
 
 async def delete_bench_objects(client: AsyncClient) -> None:
@@ -147,8 +164,39 @@ async def delete_bench_objects(client: AsyncClient) -> None:
     await gather_limited(32, [client.delete(Node, str(n.metadata.name)) for n in nodes if n.metadata])
 
 
+WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE", "create", "update", "patch", "delete")
+
+
+async def api_writes(client: AsyncClient) -> dict[str, float]:
+    """The API server's write requests so far, by resource (subresource joined with '/')."""
+    text = await get_raw(client, "/metrics")
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "apiserver_request":  # the parser drops _total
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total") or sample.labels.get("verb") not in WRITE_VERBS:
+                continue
+            resource = sample.labels.get("resource", "")
+            if sample.labels.get("subresource"):
+                resource += "/" + sample.labels["subresource"]
+            out[resource] = out.get(resource, 0.0) + sample.value
+    return out
+
+
+async def count_events(client: AsyncClient, kind: Any, counts: dict[str, int], key: str, **kw: Any) -> None:
+    """Count the watch events a watcher of ``kind`` receives (from now)."""
+    async for _ in client.watch(kind, **kw):
+        counts[key] = counts.get(key, 0) + 1
+
+
 async def measure(
-    client: AsyncClient, pods: int, concurrency: int, timeout: float, baseline: bool = False
+    client: AsyncClient,
+    pods: int,
+    concurrency: int,
+    timeout: float,
+    baseline: bool = False,
+    lease: bool = True,
 ) -> dict[str, float]:
     created: dict[str, float] = {}
     bound: dict[str, float] = {}
@@ -162,7 +210,7 @@ async def measure(
                 continue
             bound[name] = time.perf_counter()
             if not baseline:  # no kxpu lock to release for a plain pod
-                task = asyncio.create_task(stand_in_node(client, pod))
+                task = asyncio.create_task(stand_in_node(client, pod, lease))
                 node_side.add(task)
                 task.add_done_callback(node_side.discard)
             if len(bound) == pods:
@@ -173,7 +221,14 @@ async def measure(
         created[name] = time.perf_counter()
 
     watcher = asyncio.create_task(watch())
-    await asyncio.sleep(0.5)  # the watch is open before the first pod
+    events: dict[str, int] = {}
+    # a watcher of every Node (what each CNI agent, kube-proxy, ... is) and of the lock Leases (the extender)
+    counters = [
+        asyncio.create_task(count_events(client, Node, events, "node")),
+        asyncio.create_task(count_events(client, Lease, events, "lease", namespace=NS)),
+    ]
+    await asyncio.sleep(0.5)  # the watches are open before the first pod
+    writes_before = await api_writes(client)
     start = time.perf_counter()
     await gather_limited(concurrency, [create(f"bench-{i:05d}") for i in range(pods)])
     created_all = time.perf_counter()
@@ -186,6 +241,20 @@ async def measure(
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
     await asyncio.gather(*node_side, return_exceptions=True)
+    await asyncio.sleep(1.0)  # the last releases' events arrive
+    for counter in counters:
+        counter.cancel()
+    await asyncio.gather(*counters, return_exceptions=True)
+    writes_after = await api_writes(client)
+    per_pod: dict[str, float] = {}
+    n = max(1, len(bound))
+    for resource, value in writes_after.items():
+        delta = value - writes_before.get(resource, 0.0)
+        if delta > 0:
+            per_pod[f"writes_per_pod_{resource.replace('/', '_')}"] = round(delta / n, 2)
+    per_pod["writes_per_pod"] = round(sum(per_pod.values()), 2)
+    per_pod["node_watch_events_per_pod"] = round(events.get("node", 0) / n, 2)
+    per_pod["lease_watch_events_per_pod"] = round(events.get("lease", 0) / n, 2)
     latencies = [(bound[n] - created[n]) * 1000 for n in bound if n in created]
     return {
         "pods": pods,
@@ -195,6 +264,7 @@ async def measure(
         "pods_per_s": round(len(bound) / (end - start), 1),
         "bind_p50_ms": round(percentile(latencies, 50), 1) if latencies else float("nan"),
         "bind_p99_ms": round(percentile(latencies, 99), 1) if latencies else float("nan"),
+        **per_pod,
     }
 
 
@@ -239,7 +309,9 @@ async def run(args: argparse.Namespace, sharing: Sharing) -> dict[str, float]:
         pids["bench"] = os.getpid()
         cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
         before = extender_request_seconds()
-        result = await measure(client, args.pods, args.concurrency, args.timeout, args.baseline)
+        result = await measure(
+            client, args.pods, args.concurrency, args.timeout, args.baseline, args.node_lock == "lease"
+        )
         for name, pid in pids.items():
             result[f"{name}_cpu_s"] = round(cpu_seconds(pid) - cpu[name], 2)
         for verb, (total, count) in extender_request_seconds().items():
@@ -274,6 +346,12 @@ def main() -> int:
         help="the harness's node-less cluster (etcd, kube-apiserver, kube-scheduler): no kubelet, containerd, "
         "kubectl or controller-manager needed",
     )
+    parser.add_argument(
+        "--node-lock",
+        choices=["lease", "annotation"],
+        default="lease",
+        help="where the extender locks a node",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -287,7 +365,13 @@ def main() -> int:
         os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
         work = Path(tempfile.mkdtemp(prefix="kxpu-bench-sharing-"))
         sharing = Sharing(
-            cluster, work, node_policy=args.policy, inventory_stale_s=3600, client_qps=500, log_level="info"
+            cluster,
+            work,
+            node_policy=args.policy,
+            inventory_stale_s=3600,
+            client_qps=500,
+            log_level="info",
+            node_lock=args.node_lock,
         )
         try:
             sharing.start(node=False)
@@ -304,6 +388,7 @@ def main() -> int:
         "nodes": args.nodes,
         "policy": args.policy,
         "baseline": args.baseline,
+        "node_lock": args.node_lock,
         "cluster": "control-plane-only" if args.control_plane_only else "e2e",
         **result,
     }
@@ -316,6 +401,15 @@ def main() -> int:
             f"{report['total_s']}s (creates took {report['create_s']}s): {report['pods_per_s']} pods/s "
             f"(target >= {TARGET_PODS_PER_S:.0f}); bind latency p50 {report['bind_p50_ms']} ms, "
             f"p99 {report['bind_p99_ms']} ms"
+        )
+        writes = {
+            k.removeprefix("writes_per_pod_"): v for k, v in report.items() if k.startswith("writes_per_pod_")
+        }
+        print(
+            f"per pod ({args.node_lock} lock): {report['writes_per_pod']} API writes ("
+            + ", ".join(f"{k} {v}" for k, v in sorted(writes.items()))
+            + f"); watch events: every-Node watcher {report['node_watch_events_per_pod']}, "
+            f"lock-Lease watcher {report['lease_watch_events_per_pod']}"
         )
         cpu = {k.removesuffix("_cpu_s"): v for k, v in report.items() if k.endswith("_cpu_s")}
         print("CPU seconds used meanwhile: " + ", ".join(f"{k} {v}" for k, v in cpu.items()))

@@ -53,6 +53,7 @@ NS = "kxpu-sharing"
 RAW_NS = "kxpu-sharing-raw"
 SCHEDULER = "kxpu-e2e-sharing"
 WEBHOOK_CONFIG = "kxpu-e2e-sharing"  # both webhook configurations' name
+VERIFY_KEYS = "kxpu-verify-keys"  # the ConfigMap where the extender publishes its public keys
 # As the chart: a pods/status update reaches the validating webhook only if it changes labels or annotations.
 STATUS_CHANGES_METADATA = (
     "request.?subResource.orValue('') != 'status'"
@@ -183,11 +184,16 @@ class Sharing:
         resource: Mapping[str, Any] | None = None,
         family: Mapping[str, Any] | None = None,
         slots: int = DEVICES * SPLIT,
+        signing_scheme: str = "ed25519",
+        node_lock: str = "lease",
     ) -> None:
         """``node_policy``, ``inventory_stale_s``, ``client_qps`` (kube-scheduler's), ``log_level`` (kxpu's) are
-        for the benchmark. ``resource`` (the node daemon's resource entry, its ``sharing.signingKey`` filled
+        for the benchmark. ``resource`` (the node daemon's resource entry, its ``sharing`` keys and lock filled
         in), ``family`` (the control plane's) and ``slots`` (what the node then advertises) share another
-        backend than the simulated NPUs (a vendor's e2e)."""
+        backend than the simulated NPUs (a vendor's e2e). ``signing_scheme``: which keys sign and verify, as
+        the chart's ``sharing.signing.scheme`` (``hmac``, ``hmac+ed25519``, ``ed25519+hmac``, ``ed25519``: the
+        first signs, all verify); ``node_lock``: ``lease`` or ``annotation``. ``write_configs`` and a restart
+        of the processes change them."""
         self.cluster, self.work = cluster, work
         self.resource = dict(resource) if resource is not None else None
         self.family = dict(family) if family is not None else {"resource": RES}
@@ -195,7 +201,11 @@ class Sharing:
         self.slots = slots
         self.node_policy, self.inventory_stale_s, self.client_qps = node_policy, inventory_stale_s, client_qps
         self.log_level = log_level
-        self.key = secrets.token_urlsafe(48).encode()
+        self.signing_scheme, self.node_lock = signing_scheme, node_lock
+        self.node_signing: str | None = None
+        self.key = secrets.token_urlsafe(48).encode()  # the HMAC key (Secret keys)
+        self.private_pem = signing.generate_private_pem()  # the extender's Ed25519 key (Secret signing)
+        self.old_private_pems: list[str] = []  # keys rotated out, still verifying the pods they signed
         kubeconfig = str(cluster.kubeconfig)
         self.env = {
             "KUBECONFIG": kubeconfig,
@@ -278,11 +288,36 @@ class Sharing:
     def logs(self) -> dict[str, Path]:
         return {p.name: p.log for p in self.procs}
 
+    def write_configs(
+        self, signing_scheme: str | None = None, node_lock: str | None = None, node_signing: str | None = None
+    ) -> None:
+        """Rewrite the configs (the processes read them when restarted); ``node_signing``: the node's keys when
+        they differ from the extender's (HMAC off on the nodes while the extender still counts HMAC pods)."""
+        self.signing_scheme = signing_scheme or self.signing_scheme
+        self.node_lock = node_lock or self.node_lock
+        self.node_signing = node_signing
+        self._write_configs()
+
+    def verify_keys(self) -> signing.Keyring:
+        """Every key that verifies an assignment made in this chain: the HMAC key and every public key."""
+        pems = "".join(
+            signing.parse_keyring(p).public_pems() for p in [self.private_pem, *self.old_private_pems]
+        )
+        return signing.parse_keyring(self.key + b"\n" + pems.encode(), private_ok=False)
+
     def _write_configs(self) -> None:
-        key_ref = {"secret": f"{NS}/keys"}
+        names = self.signing_scheme.split("+")
+        node_keys = [
+            {"secret": f"{NS}/keys"} if n == "hmac" else {"configMap": f"{NS}/{VERIFY_KEYS}"}
+            for n in (self.node_signing or self.signing_scheme).split("+")
+        ]
+        extender_keys = [
+            {"secret": f"{NS}/keys"} if n == "hmac" else {"secret": f"{NS}/signing"} for n in names
+        ]
+        node_signing = {"signingKey": node_keys[0], "extraKeys": node_keys[1:], "lockNamespace": NS}
         custom = None
         if self.resource is not None:
-            custom = {**self.resource, "sharing": {"signingKey": key_ref, **self.resource.get("sharing", {})}}
+            custom = {**self.resource, "sharing": {**node_signing, **self.resource.get("sharing", {})}}
         node = {
             "version": "v1",
             "resources": [
@@ -292,7 +327,7 @@ class Sharing:
                     "simulated": {"count": DEVICES, "model": "snpu", "memoryMiB": MEMORY_MIB, "cores": 64},
                     "sharing": {
                         "splitCount": SPLIT,
-                        "signingKey": key_ref,
+                        **node_signing,
                         "publishIntervalSeconds": 5,
                         "visibleDevicesEnv": "NPU_VISIBLE_DEVICES",
                         "allocateTimeoutSeconds": ALLOCATE_TIMEOUT_S,
@@ -307,7 +342,11 @@ class Sharing:
             "nodePolicy": self.node_policy,
             "devicePolicy": "binpack",
             "inventoryStaleSeconds": self.inventory_stale_s,
-            "signingKey": key_ref,
+            "signingKey": extender_keys[0],
+            "extraKeys": extender_keys[1:],
+            "publicKeysConfigMap": f"{NS}/{VERIFY_KEYS}",
+            "nodeLock": self.node_lock,
+            "lockNamespace": NS,
             "lockTimeoutSeconds": LOCK_TIMEOUT_S,
             "lockHardExpirySeconds": LOCK_HARD_EXPIRY_S,
             "trustedUsers": TRUSTED_USERS,
@@ -402,6 +441,7 @@ class Sharing:
                 self._kubectl_delete_namespace(ns)
                 k("create", "namespace", ns)
             k("-n", NS, "create", "secret", "generic", "keys", f"--from-literal=keys={self.key.decode()}")
+            self.set_signing_keys(self.private_pem, create=True)
         else:
             self._prepare_api_only()
         for proc in self.procs if node else [self.extender, self.webhook, self.scheduler]:
@@ -421,6 +461,37 @@ class Sharing:
         )
         probe = self.pod("webhook-probe", {self.family.get("memory") or MEM: 100})
         kube.wait_until("the webhook admitting a dry-run pod", lambda: self._dry_run(probe), 60)
+
+    def set_signing_keys(self, text: str, create: bool = False) -> None:
+        """The extender's Secret ``signing`` (Ed25519 PEM blocks, first signs); it re-reads it within 15 s."""
+        data = base64.b64encode(text.encode()).decode()
+        secret: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "signing", "namespace": NS},
+        }
+        secret["data"] = {"keys": data}
+        self.cluster.kubectl("create" if create else "replace", "-f", "-", input=json.dumps(secret))
+
+    def published_key_ids(self) -> set[str]:
+        """The key ids of the public keys the extender published for the nodes."""
+        try:
+            cm = self.cluster.kubectl_json("get", "configmap", VERIFY_KEYS, "-n", NS)
+        except Exception:
+            return set()
+        text = (cm.get("data") or {}).get("keys", "")
+        return set(signing.parse_keyring(text, private_ok=False).public_keys) if text else set()
+
+    def lock_holder(self) -> str:
+        """The node lock's text: the node's Lease holder, else the node annotation ('' when free)."""
+        from kxpu.sharing.lock import lease_name
+
+        try:
+            lease = self.cluster.kubectl_json("get", "lease", lease_name(NODE_NAME, RES), "-n", NS)
+            held = str((lease.get("spec") or {}).get("holderIdentity") or "")
+        except Exception:
+            held = ""
+        return held or self.node_annotations().get(lock_key(RES), "")
 
     def _kubectl_delete_namespace(self, ns: str, check: bool = True) -> None:
         """Delete a namespace and wait until it is gone (its pods stopped by the kubelet)."""
@@ -481,6 +552,10 @@ class Sharing:
                 metadata=ObjectMeta(name="keys", namespace=NS), stringData={"keys": self.key.decode()}
             )
             client.create(keys)
+            signing_key = Secret(
+                metadata=ObjectMeta(name="signing", namespace=NS), stringData={"keys": self.private_pem}
+            )
+            client.create(signing_key)
 
     def _close_api_only(self) -> None:
         """Pods removed at once (no kubelet serves their nodes); namespaces deleted where a controller-manager
@@ -622,7 +697,7 @@ class Sharing:
         return signing.verify(
             ann.get(signing.ASSIGNMENT_ANNOTATION),
             ann.get(signing.SIGNATURE_ANNOTATION),
-            [self.key],
+            self.verify_keys(),
             pod_uid=meta["uid"],
             namespace=meta["namespace"],
             name=meta["name"],

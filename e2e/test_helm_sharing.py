@@ -45,7 +45,8 @@ DEVICES, SPLIT = 2, 4
 SCHEDULER_NAME = "kxpu-scheduler"  # the chart's default sharing.schedulerName
 TLS_SECRET = "kxpu-e2e-webhook-tls"
 WEBHOOK = f"{RELEASE}-webhook"
-SIGNING_SECRET = f"{RELEASE}-signing-key"
+SIGNING_SECRET = f"{RELEASE}-signing-ed25519"  # mounted into the scheduler pod only
+VERIFY_KEYS = f"{RELEASE}-verify-keys"  # the public keys the extender publishes for the node daemons
 RULE_TAG = "kxpu-e2e-helm-sharing"  # the comment on every iptables rule this scenario adds
 REPORT_END = "end-of-report"
 
@@ -259,10 +260,15 @@ def test_helm_sharing_schedules_a_shared_pod(release: tuple[Cluster, ServiceRout
         ),
         30,
     )
-    # The assignment verifies with the chart's signing key, for exactly this pod and node.
+    # The assignment is Ed25519-signed with the chart's key, which only the scheduler pod holds: it verifies with
+    # the public keys the extender published for the nodes, for exactly this pod and node.
     secret = cluster.kubectl_json("get", "secret", SIGNING_SECRET, "-n", NAMESPACE)
-    keys = signing.parse_keys(base64.b64decode(secret["data"]["keys"]))
+    private = signing.parse_keyring(base64.b64decode(secret["data"]["keys"]))
+    published = cluster.kubectl_json("get", "configmap", VERIFY_KEYS, "-n", NAMESPACE)["data"]["keys"]
+    keys = signing.parse_keyring(published, private_ok=False)
+    assert keys.public_keys.keys() == private.public_keys.keys() and "PRIVATE" not in published
     meta = pod["metadata"]
+    assert meta["annotations"][signing.SIGNATURE_ANNOTATION].startswith("v2.")
     assignment = signing.verify(
         meta["annotations"].get(signing.ASSIGNMENT_ANNOTATION),
         meta["annotations"].get(signing.SIGNATURE_ANNOTATION),

@@ -35,7 +35,6 @@ from e2e.sharing_support import (
     events,
 )
 from kxpu.sharing import signing
-from kxpu.sharing.lock import lock_key
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +287,7 @@ def test_lock_of_a_pod_never_admitted_is_recovered(sharing: Sharing) -> None:
     try:
         sharing.create(sharing.pod("stuck", {RES: 1, MEM: 1000, CORES: 10}))
         stuck = wait_bound(sharing, "stuck")
-        held = sharing.node_annotations().get(lock_key(RES), "")
+        held = sharing.lock_holder()
         assert stuck["metadata"]["uid"] in held, held
         sharing.create(sharing.pod("next", {RES: 1, MEM: 1000, CORES: 10}))
         kube.wait_until(
@@ -306,7 +305,7 @@ def test_lock_of_a_pod_never_admitted_is_recovered(sharing: Sharing) -> None:
         assert failed["phase"] == "Failed" and "not admitted on node" in failed["message"], failed
         assert events(cluster, "stuck", reason="KxpuAllocationExpired"), "no Warning event on the stuck pod"
         nxt = wait_bound(sharing, "next", timeout=60)
-        assert nxt["metadata"]["uid"] in sharing.node_annotations().get(lock_key(RES), "")
+        assert nxt["metadata"]["uid"] in sharing.lock_holder()
         # The kubelet admits the pods it finds at start-up before its device plugins re-register, and so
         # rejects them ("Available: 0") whatever the plugin: remove this one before the kubelet comes back.
         cluster.kubectl("delete", "pod", "next", "-n", NS, "--grace-period=0", "--force", "--wait=false")
@@ -331,6 +330,4 @@ def test_lock_of_a_pod_never_admitted_is_recovered(sharing: Sharing) -> None:
     grants = [sharing.granted(pods["before"]), sharing.granted(pods["after"])]
     assert [(g.memory_mib, g.cores) for g in grants] == [(1000, 10), (1000, 10)]
     assert_within_capacity(grants)
-    kube.wait_until(
-        "the lock released after Allocate", lambda: lock_key(RES) not in sharing.node_annotations()
-    )
+    kube.wait_until("the lock released after Allocate", lambda: not sharing.lock_holder())

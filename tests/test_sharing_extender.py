@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -366,3 +368,76 @@ async def test_a_retried_bind_after_success_keeps_the_grant_and_the_lock(
     assert scheduler.state.assignment("uid-default-s") == signing.decode_assignment(
         obj["metadata"]["annotations"][signing.ASSIGNMENT_ANNOTATION]
     )
+
+
+GARBAGE_BODIES = [
+    ({"Pod": "x", "NodeNames": ["idle"]}, "pod: expected an object, got str"),
+    ({"Pod": {"metadata": "x"}, "NodeNames": ["idle"]}, "pod.metadata: expected an object"),
+    ({"Pod": {"spec": {"containers": "x"}}, "NodeNames": ["idle"]}, "pod.spec.containers: expected a list"),
+    (
+        {"Pod": {"spec": {"containers": [1]}}, "NodeNames": ["idle"]},
+        "pod.spec.containers[0]: expected an object",
+    ),
+    (
+        {
+            "Pod": {"spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": [1]}}}]}},
+            "NodeNames": ["a"],
+        },
+        "pod.spec.containers[0].resources.limits['nvidia.com/gpu']: expected a quantity",
+    ),
+    (
+        {"Pod": {"metadata": {"annotations": {"kxpu.io/use-uuid": 5}}}, "NodeNames": ["idle"]},
+        "pod.metadata.annotations['kxpu.io/use-uuid']: expected a string",
+    ),
+    ({"Pod": {}, "NodeNames": 5}, "NodeNames: expected a list of node names"),
+    ({"Pod": {}, "Nodes": {"items": "x"}}, "Nodes: expected a NodeList object with items"),
+    ({"Pod": {}, "Nodes": {"items": [1]}}, "Nodes.items[0]: expected a Node object"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), GARBAGE_BODIES)
+async def test_garbage_extender_requests_get_an_answer_naming_what_is_wrong(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster], body: dict[str, Any], message: str
+) -> None:
+    """No traceback for a malformed pod or node list: filter fails every node (or answers 400) with the field named,
+    prioritize scores 0 or answers 400."""
+    client, _, _ = setup
+    for verb in ("filter", "prioritize"):
+        response = await client.post(f"/{verb}", data=json.dumps(body))
+        text = await response.text()
+        assert response.status in (200, 400), (verb, response.status, text)
+        if response.status == 400 or verb == "filter":
+            assert message in text, (verb, text)
+
+
+_KEYS = ["Pod", "NodeNames", "Nodes", "items", "metadata", "spec", "containers", "initContainers", "resources",
+         "limits", "requests", "annotations", "name", "nvidia.com/gpu", "nvidia.com/gpumem", "PodName", "PodUID",
+         "PodNamespace", "Node", "kxpu.io/use-uuid"]  # fmt: skip
+
+
+def _garbage(rng: random.Random, depth: int = 0) -> Any:
+    """A random JSON value, biased towards the extender's field names (deterministic: seeded)."""
+    kind = rng.randrange(8 if depth < 4 else 5)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.choice([True, False])
+    if kind == 2:
+        return rng.randint(-5, 5)
+    if kind in (3, 4):
+        return rng.choice(["", "1", "abc", "idle", "100Mi", "-1", "\u00e9"])
+    if kind == 5:
+        return [_garbage(rng, depth + 1) for _ in range(rng.randrange(3))]
+    return {rng.choice(_KEYS): _garbage(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+async def test_no_extender_request_body_gets_a_server_error(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    client, _, _ = setup
+    rng = random.Random(16)
+    for _ in range(300):
+        body = _garbage(rng)
+        for verb in ("filter", "prioritize", "bind"):
+            response = await client.post(f"/{verb}", data=json.dumps(body))
+            assert response.status < 500, (verb, body, await response.text())

@@ -21,7 +21,8 @@ import pytest
 from lightkube import AsyncClient, KubeConfig
 from lightkube.models.core_v1 import Container, NodeSpec, PodSpec, ResourceRequirements, Taint
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Event, Namespace, Node, Pod, Secret
+from lightkube.resources.coordination_v1 import Lease
+from lightkube.resources.core_v1 import ConfigMap, Event, Namespace, Node, Pod, Secret
 from lightkube.types import PatchType
 
 from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
@@ -30,9 +31,10 @@ from kxpu.sharing import signing
 from kxpu.sharing.config import KeySource, SharingConfig
 from kxpu.sharing.kube.api import KubeSchedulerAPI, release
 from kxpu.sharing.kube.informer import Informer
-from kxpu.sharing.kube.keys import KeyStore
+from kxpu.sharing.kube.keys import KeyStore, publish_public_keys
+from kxpu.sharing.kube.lease import LeaseLocks, LeaseNamespaceMissing
 from kxpu.sharing.kube.node import KubeNodeLink
-from kxpu.sharing.lock import HARD_EXPIRED, allocated_key
+from kxpu.sharing.lock import HARD_EXPIRED, allocated_key, lease_name, lock_key
 from kxpu.sharing.node import SharingBackend, parent_id
 from kxpu.sharing.requests import ResourceFamily
 from kxpu.sharing.scheduler import LockBusy, PodRef, Scheduler
@@ -108,15 +110,26 @@ async def env() -> AsyncIterator[Env]:
         await client.delete(Namespace, namespace)
 
 
-def sharing_config() -> SharingConfig:
+def sharing_config(lock_namespace: str = "kxpu-system") -> SharingConfig:
     return SharingConfig.model_validate(
-        {"splitCount": 4, "signingKey": {"file": "/dev/null"}, "allocateTimeoutSeconds": 5}
+        {
+            "splitCount": 4,
+            "signingKey": {"file": "/dev/null"},
+            "allocateTimeoutSeconds": 5,
+            "lockNamespace": lock_namespace,
+        }
     )
 
 
 class StaticKeys(KubeNodeLink):
-    async def keys(self) -> list[bytes]:
-        return KEYS
+    ring: signing.Keys = KEYS
+
+    async def keys(self, fresh: bool = False) -> signing.Keys:  # type: ignore[override]
+        return self.ring
+
+
+PRIVATE = signing.parse_keyring(signing.generate_private_pem())
+PUBLIC = signing.parse_keyring(PRIVATE.public_pems(), private_ok=False)
 
 
 async def test_node_lock_compare_and_swap_and_recovery(env: Env) -> None:
@@ -260,13 +273,17 @@ async def test_the_sweeper_fails_a_pod_never_admitted_and_frees_its_node(env: En
     assert await link.lock(NPU) is None
 
 
-async def test_publish_watch_bind_and_handshake(env: Env) -> None:
+@pytest.mark.parametrize("mode", ["annotation-hmac", "lease-ed25519"])
+async def test_publish_watch_bind_and_handshake(env: Env, mode: str) -> None:
+    lease = mode.startswith("lease")
+    scheduler_keys: signing.Keys = PRIVATE if lease else KEYS
     family = ResourceFamily.derived(NPU)
     state = ClusterState([NPU])
-    informer = Informer(env.client, state, lambda: KEYS)
+    informer = Informer(env.client, state, lambda: scheduler_keys, env.namespace if lease else None)
     informer_task = asyncio.create_task(informer.run())
-    cfg = sharing_config()
+    cfg = sharing_config(env.namespace)
     link = StaticKeys(env.node, cfg, env.client)
+    link.ring = PUBLIC if lease else KEYS
     inner = SimulatedBackend(SimulatedConfig.model_validate({"count": 2, "model": "npu", "memoryMiB": 16000}))
     backend = SharingBackend(inner, NPU, cfg, lambda: link, env.node)
     slots = backend.discover()
@@ -277,12 +294,28 @@ async def test_publish_watch_bind_and_handshake(env: Env) -> None:
             lambda: (n := state.node(env.node)) is not None and len(n.families.get(NPU, [])) == 2
         )
 
-        api = KubeSchedulerAPI(env.client, "extender")
-        scheduler = Scheduler(state, [family], keys=lambda: KEYS, api=api)
+        api = KubeSchedulerAPI(
+            env.client,
+            "extender",
+            cached=state.lock_view,
+            node_lock="lease" if lease else "annotation",
+            lock_namespace=env.namespace,
+            lease_node=state.lease_node,
+            cached_lease=state.lease_view,
+        )
+        assert state.lease_node(env.node)  # the daemon announced that it reads lock Leases
+        scheduler = Scheduler(state, [family], keys=lambda: scheduler_keys, api=api)
         ref = await env.pod("p", {NPU: "1", "example.com/npumem": "3000", "example.com/npucores": "20"})
         assert await scheduler.bind(ref.namespace, ref.name, ref.uid, env.node) == ""
         bound = await env.client.get(Pod, ref.name, namespace=ref.namespace)
         assert bound.spec is not None and bound.spec.nodeName == env.node
+        signature = (bound.metadata.annotations or {})[signing.SIGNATURE_ANNOTATION]  # type: ignore[union-attr]
+        assert signature.startswith("v2." if lease else "v1.")
+        node_obj = await env.client.get(Node, env.node)
+        assert (lock_key(NPU) in (node_obj.metadata.annotations or {})) != lease  # type: ignore[union-attr]
+        if lease:
+            held = await env.client.get(Lease, lease_name(env.node, NPU), namespace=env.namespace)
+            assert held.spec is not None and ref.uid in (held.spec.holderIdentity or "")
         # no webhook labelled it, so the scheduler did before binding; the assignment came with the Binding
         assert bound.metadata is not None and (bound.metadata.labels or {}).get("kxpu.io/assigned") == "true"
         assert (bound.metadata.annotations or {}).get("kxpu.io/bind-phase") == "allocating"
@@ -322,7 +355,7 @@ async def test_publish_watch_bind_and_handshake(env: Env) -> None:
             patch_type=PatchType.MERGE,
         )
         await api.acquire_lock(env.node, NPU, forged)
-        with pytest.raises(BackendError, match="unknown key"):
+        with pytest.raises(BackendError, match=r"unknown HMAC key|HMAC signatures are no longer accepted"):
             await backend.allocate_async([slots[0]])
 
         async def warned() -> bool:
@@ -358,5 +391,209 @@ async def test_keys_from_a_secret(env: Env) -> None:
         Secret(metadata=ObjectMeta(name="keys", namespace=env.namespace), data={"keys": data})
     )
     store = KeyStore(KeySource(secret=f"{env.namespace}/keys"), lambda: env.client)
-    assert await store.get() == [b"n" * 32, b"o" * 32]
-    assert store.current()[0] == b"n" * 32
+    assert await store.get() == signing.Keyring.hmac_only([b"n" * 32, b"o" * 32])
+    assert store.current().signer == b"n" * 32
+
+
+async def test_the_extender_publishes_public_keys_and_nodes_read_only_those(env: Env) -> None:
+    private = signing.generate_private_pem()
+    data = base64.b64encode(private.encode()).decode()
+    await env.client.create(
+        Secret(metadata=ObjectMeta(name="ed25519", namespace=env.namespace), data={"keys": data})
+    )
+    scheduler = KeyStore(KeySource(secret=f"{env.namespace}/ed25519"), lambda: env.client)
+    ring = await scheduler.get()
+    ref = f"{env.namespace}/kxpu-verify-keys"
+    assert await publish_public_keys(env.client, ref, ring)
+    assert not await publish_public_keys(env.client, ref, ring)  # unchanged: no write
+    cm = await env.client.get(ConfigMap, "kxpu-verify-keys", namespace=env.namespace)
+    assert "PRIVATE" not in (cm.data or {})["keys"] and "PUBLIC KEY" in (cm.data or {})["keys"]
+    node = KeyStore(KeySource(config_map=ref), lambda: env.client, private_ok=False)
+    public = await node.get()
+    assert public.signer is None and public.public_keys.keys() == ring.public_keys.keys()
+    # rotation: a second key published beside the first
+    ring2 = signing.parse_keyring(signing.generate_private_pem() + private)
+    assert await publish_public_keys(env.client, ref, ring2)
+    assert len((await node.load()).public_keys) == 2
+    # a node pointed at the private key refuses it, naming the source
+    with pytest.raises(
+        ValueError, match=f"secret {env.namespace}/ed25519 field keys: entry 0 is a private key"
+    ):
+        await KeyStore(
+            KeySource(secret=f"{env.namespace}/ed25519"), lambda: env.client, private_ok=False
+        ).load()
+
+
+def lease_api(env: Env, owner: str, **kw: Any) -> KubeSchedulerAPI:
+    return KubeSchedulerAPI(env.client, owner, node_lock="lease", lock_namespace=env.namespace, **kw)
+
+
+async def node_version(env: Env) -> str:
+    node = await env.client.get(Node, env.node)
+    assert node.metadata is not None
+    return str(node.metadata.resourceVersion)
+
+
+async def test_lease_lock_compare_and_swap_and_recovery_without_touching_the_node(env: Env) -> None:
+    seen: list[dict[str, str]] = []  # the node's annotations in every Node watch event meanwhile
+
+    async def watch_node() -> None:
+        async for _, obj in env.client.watch(Node, fields={"metadata.name": env.node}):
+            seen.append(dict((obj.metadata.annotations if obj.metadata else None) or {}))
+
+    watcher = asyncio.create_task(watch_node())
+    await asyncio.sleep(0.3)
+    takeovers: list[str] = []
+    api_a = lease_api(env, "extender-a", on_takeover=takeovers.append)
+    api_b = lease_api(env, "extender-b")
+    first = await env.pod("first", {})
+    second = await env.pod("second", {})
+    results = await asyncio.gather(
+        api_a.acquire_lock(env.node, NPU, first),
+        api_b.acquire_lock(env.node, NPU, second),
+        return_exceptions=True,
+    )
+    assert sum(r is None for r in results) == 1 and sum(isinstance(r, LockBusy) for r in results) == 1, (
+        results
+    )
+    winner, loser = (first, second) if results[0] is None else (second, first)
+    link = StaticKeys(env.node, sharing_config(env.namespace), env.client)
+    lock = await link.lock(NPU)
+    assert lock is not None and lock.uid == winner.uid
+    await api_a.release_lock(env.node, NPU, loser)  # not the holder: no effect
+    with pytest.raises(LockBusy, match=f"locked for {NPU} by pod {winner}"):
+        await api_a.acquire_lock(env.node, NPU, loser)
+    await env.client.delete(Pod, winner.name, namespace=env.namespace, grace_period=0)
+
+    async def holder_gone() -> bool:
+        try:
+            await env.client.get(Pod, winner.name, namespace=env.namespace)
+        except Exception:
+            return True
+        return False
+
+    await eventually(holder_gone)
+    await api_a.acquire_lock(env.node, NPU, loser)  # recovered at once: its pod is gone
+    assert takeovers == ["its pod is gone"]
+    lock = await link.lock(NPU)
+    assert lock is not None and lock.uid == loser.uid and lock.owner == "extender-a"
+    await link.finish(NPU, lock)  # the daemon's release after Allocate
+    assert await link.lock(NPU) is None
+    got = await LeaseLocks(env.client, env.namespace).read(env.node, NPU)
+    assert got is not None and got[1] is None  # the Lease stays, free
+    # none of this was a Node update (what every Node watcher in the cluster would have been sent); other
+    # controllers may update the Node meanwhile (taints of a node without a kubelet), never with a lock
+    await asyncio.sleep(0.5)
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
+    assert not [a for a in seen if lock_key(NPU) in a], seen
+
+
+async def test_the_lease_sweeper_fails_a_pod_never_admitted(env: Env) -> None:
+    api = lease_api(env, "extender", lock_ttl_s=0.2, hard_expiry_s=1.0)
+    stuck = await env.pod("stuck", {})
+    await api.acquire_lock(env.node, NPU, stuck)
+    await api.bind(stuck, env.node)
+    link = StaticKeys(env.node, sharing_config(env.namespace), env.client)
+    lock = await link.lock(NPU)
+    assert lock is not None
+    assert await api.sweep_lock(env.node, NPU, lock.encode(), in_lease=True) is None
+    await asyncio.sleep(1.1)  # past the hard expiry
+    assert await api.sweep_lock(env.node, NPU, lock.encode(), in_lease=True) == HARD_EXPIRED
+    pod = await env.client.get(Pod, "stuck", namespace=env.namespace)
+    assert pod.status is not None and pod.status.reason == "KxpuAllocationExpired"
+    assert await link.lock(NPU) is None
+
+
+async def test_a_rolling_upgrade_from_the_annotation_lock_loses_no_held_lock(env: Env) -> None:
+    """The old extender holds an annotation lock; the new one (Leases) honours it; the new daemon admits
+    under it and releases it; only then the next pod gets the node, in its Lease."""
+    old = KubeSchedulerAPI(env.client, "old-extender")  # before the upgrade: the annotation
+    held_pod = await env.pod("held", {})
+    await old.acquire_lock(env.node, NPU, held_pod)
+    await old.bind(held_pod, env.node)
+    state = ClusterState([NPU])
+    node = await env.client.get(Node, env.node)
+    state.set_node(env.node, dict(node.metadata.annotations or {}), await node_version(env))  # type: ignore[union-attr]
+    new = lease_api(env, "new-extender", cached=state.lock_view, cached_lease=state.lease_view)
+    nxt = await env.pod("next", {})
+    with pytest.raises(LockBusy, match=r"by pod .*/held"):
+        await new.acquire_lock(env.node, NPU, nxt)
+    # the upgraded daemon still finds the pod being admitted (the annotation), and releases it there
+    link = StaticKeys(env.node, sharing_config(env.namespace), env.client)
+    lock = await link.lock(NPU)
+    assert lock is not None and lock.uid == held_pod.uid
+    await link.finish(NPU, lock)
+    node = await env.client.get(Node, env.node)
+    assert lock_key(NPU) not in (node.metadata.annotations or {})  # type: ignore[union-attr]
+    state.set_node(env.node, dict(node.metadata.annotations or {}), await node_version(env))  # type: ignore[union-attr]
+    await new.acquire_lock(env.node, NPU, nxt)
+    lock = await link.lock(NPU)
+    assert lock is not None and lock.uid == nxt.uid and lock.owner == "new-extender"
+    held = await env.client.get(Lease, lease_name(env.node, NPU), namespace=env.namespace)
+    assert held.spec is not None and nxt.uid in (held.spec.holderIdentity or "")
+    # a node whose daemon is not upgraded yet (no kxpu.io/lock-protocol) keeps the annotation
+    await link.finish(NPU, lock)
+    older = lease_api(env, "new-extender", lease_node=lambda node: False)
+    third = await env.pod("third", {})
+    await older.acquire_lock(env.node, NPU, third)
+    node = await env.client.get(Node, env.node)
+    assert third.uid in (node.metadata.annotations or {}).get(lock_key(NPU), "")  # type: ignore[union-attr]
+    # a stale annotation lock (its pod gone) is recovered and dropped when the Lease is taken
+    await env.client.delete(Pod, "third", namespace=env.namespace, grace_period=0)
+    fourth = await env.pod("fourth", {})
+    await eventually(lambda: _gone(env, "third"))
+    await lease_api(env, "new-extender").acquire_lock(env.node, NPU, fourth)
+    node = await env.client.get(Node, env.node)
+    assert lock_key(NPU) not in (node.metadata.annotations or {})  # type: ignore[union-attr]
+    lock = await link.lock(NPU)
+    assert lock is not None and lock.uid == fourth.uid
+
+
+async def _gone(env: Env, name: str) -> bool:
+    try:
+        await env.client.get(Pod, name, namespace=env.namespace)
+    except Exception:
+        return True
+    return False
+
+
+async def test_a_missing_lock_namespace_is_named(env: Env) -> None:
+    missing = f"{env.namespace}-missing"
+    api = KubeSchedulerAPI(env.client, "extender", node_lock="lease", lock_namespace=missing)
+    with pytest.raises(LeaseNamespaceMissing, match=f"namespace '{missing}' does not exist \\(lockNamespace"):
+        await api.acquire_lock(env.node, NPU, await env.pod("p", {}))
+
+
+async def test_a_first_lock_creates_the_lease_in_one_request_and_a_stale_cache_is_safe(env: Env) -> None:
+    writes: list[str] = []
+    real_create, real_patch, real_get = env.client.create, env.client.patch, env.client.get
+
+    async def create(*args: Any, **kw: Any) -> Any:
+        writes.append("create")
+        return await real_create(*args, **kw)
+
+    async def patch(*args: Any, **kw: Any) -> Any:
+        writes.append("patch")
+        return await real_patch(*args, **kw)
+
+    async def get(*args: Any, **kw: Any) -> Any:
+        writes.append("get")
+        return await real_get(*args, **kw)
+
+    first, second = await env.pod("first", {}), await env.pod("second", {})
+    node_view = (await node_version(env), None)  # the node cache: no annotation lock
+    synced = lease_api(env, "a", cached=lambda n, r: node_view, lease_cache_synced=lambda: True)
+    env.client.create, env.client.patch, env.client.get = create, patch, get  # type: ignore[method-assign]
+    try:
+        await synced.acquire_lock(env.node, NPU, first)
+        assert writes == ["create"]
+        # another replica whose Lease cache has not seen it yet: its create conflicts, it reads, it waits
+        writes.clear()
+        with pytest.raises(LockBusy):
+            await lease_api(
+                env, "b", cached=lambda n, r: node_view, lease_cache_synced=lambda: True
+            ).acquire_lock(env.node, NPU, second)
+        assert writes[:2] == ["create", "get"]
+    finally:
+        del env.client.create, env.client.patch, env.client.get

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kxpu.sharing.config import ControlPlaneConfig, SharingConfigError, load_control_plane_config
 from kxpu.sharing.extender import sweep_locks
-from kxpu.sharing.lock import HARD_EXPIRED, NodeLock, allocated_key, holder_state, lock_key
+from kxpu.sharing.lock import (
+    HARD_EXPIRED,
+    LOCK_PROTOCOL_ANNOTATION,
+    NodeLock,
+    allocated_key,
+    holder_state,
+    lease_name,
+    lock_key,
+)
 from kxpu.sharing.state import ClusterState
 
 RES = "example.com/npu"
@@ -77,11 +88,13 @@ def test_the_hard_expiry_may_not_be_shorter_than_the_lock_timeout(tmp_path: Path
 class RecordingSweeper:
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, str]] = []
+        self.in_lease: dict[str, bool] = {}
         self.swept = asyncio.Event()
 
-    async def sweep_lock(self, node: str, resource: str, text: str) -> str | None:
+    async def sweep_lock(self, node: str, resource: str, text: str, in_lease: bool = False) -> str | None:
         self.seen.append((node, resource, text))
-        if len(self.seen) >= 2:  # the two old locks of one pass
+        self.in_lease[node] = in_lease
+        if len(self.seen) >= 3:  # the three old locks of one pass
             self.swept.set()
         if node == "broken":
             raise RuntimeError("API down")
@@ -97,6 +110,9 @@ async def test_the_sweeper_checks_only_locks_older_than_the_lock_timeout() -> No
     state.set_node("stale", {lock_key(RES): old})
     state.set_node("fresh", {lock_key(RES): young})
     state.set_node("garbage", {lock_key(RES): "not json"})
+    state.set_node("leased", {})
+    state.set_lease("leased", RES, "7", old)  # a lock in the node's Lease is swept too, as such
+    state.set_lease("leased-young", RES, "8", young)
     sweeper = RecordingSweeper()
     synced = asyncio.Event()
     synced.set()
@@ -105,5 +121,85 @@ async def test_the_sweeper_checks_only_locks_older_than_the_lock_timeout() -> No
         await asyncio.wait_for(sweeper.swept.wait(), 10)
     finally:
         task.cancel()
-    assert sorted(n for n, _, _ in sweeper.seen[:2]) == ["broken", "stale"]
-    assert all(n in ("broken", "stale") for n, _, _ in sweeper.seen)
+    assert sorted(n for n, _, _ in sweeper.seen[:3]) == ["broken", "leased", "stale"]
+    assert all(n in ("broken", "stale", "leased") for n, _, _ in sweeper.seen)
+    assert sweeper.in_lease == {"broken": False, "stale": False, "leased": True}
+
+
+def test_the_cache_counts_a_lease_lock_and_a_heartbeat_does_not_clear_it() -> None:
+    state = ClusterState([RES])
+    held = NodeLock("ns", "p", "u", "x", 1.0, 2.0).encode()
+    state.set_node("n", {LOCK_PROTOCOL_ANNOTATION: "lease"}, "10")
+    assert state.lease_node("n") and not state.locked("n") and state.lease_view("n", RES) is None
+    state.set_lease("n", RES, "5", held)
+    assert state.locked("n") and state.lease_view("n", RES) == ("5", held)
+    assert state.held_leases() == [("n", RES, held)]
+    state.set_node("n", {LOCK_PROTOCOL_ANNOTATION: "lease"}, "11")  # a heartbeat: the Lease still holds it
+    assert state.locked("n")
+    state.set_lease("n", RES, "6", None)  # released: the Lease stays, free
+    assert not state.locked("n") and state.lease_view("n", RES) == ("6", None) and state.held_leases() == []
+    state.set_node("n", {lock_key(RES): held}, "12")  # an older daemon: no protocol, the annotation
+    assert not state.lease_node("n") and state.locked("n")
+    state.set_lease("n", RES, None, None)  # the Lease deleted
+    assert state.lease_view("n", RES) is None and state.locked("n")  # the annotation still holds it
+
+
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.from_regex(r"[a-z0-9]([-a-z0-9.]{0,250}[a-z0-9])?", fullmatch=True),
+    st.from_regex(r"[A-Za-z0-9.-]{1,60}/[A-Za-z0-9_.-]{1,60}", fullmatch=True),
+)
+def test_lock_lease_names_are_valid_and_distinct(node: str, resource: str) -> None:
+    name = lease_name(node, resource)
+    assert len(name) <= 253 and _SUBDOMAIN.match(name), name
+    assert lease_name(node, resource + "x") != name and lease_name(node + "x", resource) != name
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["lease", "annotation", "node-lease-protocol", "remove-node", "delete-lease"]),
+            st.sampled_from(["a", "b"]),
+            st.booleans(),
+        ),
+        max_size=30,
+    )
+)
+def test_the_cache_says_locked_exactly_while_a_lease_or_an_annotation_holds_a_lock(
+    ops: list[tuple[str, str, bool]],
+) -> None:
+    """Any order of Lease and Node watch events: ``locked`` is true exactly while the node's last seen Lease or
+    last seen annotation names a pod (a rolling upgrade has both kinds at once), and the sweeper sees each."""
+    state = ClusterState([RES])
+    held = NodeLock("ns", "p", "u", "x", 1.0, 2.0).encode()
+    lease: dict[str, bool] = {}
+    annotation: dict[str, bool] = {}
+    protocol: dict[str, bool] = {}
+    for op, node, flag in ops:
+        if op == "lease":
+            state.set_lease(node, RES, "1", held if flag else None)
+            lease[node] = flag
+        elif op == "delete-lease":
+            state.set_lease(node, RES, None, None)
+            lease[node] = False
+        elif op in ("annotation", "node-lease-protocol"):
+            if op == "annotation":
+                annotation[node] = flag
+            else:
+                protocol[node] = flag
+            annotations = {lock_key(RES): held} if annotation.get(node) else {}
+            if protocol.get(node):
+                annotations[LOCK_PROTOCOL_ANNOTATION] = "lease"
+            state.set_node(node, annotations, "1")
+        else:
+            state.remove_node(node)
+            annotation[node] = protocol[node] = False
+        for n in ("a", "b"):
+            assert state.locked(n) == (lease.get(n, False) or annotation.get(n, False)), (n, ops)
+            assert state.lease_node(n) == protocol.get(n, False)
+    assert {n for n, _, _ in state.held_leases()} == {n for n, v in lease.items() if v}
+    assert {n for n, _, _ in state.held_locks()} == {n for n, v in annotation.items() if v}

@@ -278,7 +278,7 @@ async def test_allocate_without_a_lock_is_refused_clearly() -> None:
     await _refused(rig, ["npu-0::0"], "no verified assignment.*no pod holds the example.com/npu lock")
 
 
-def _forge(rig: Rig, name: str, keys: list[bytes], **change: Any) -> None:
+def _forge(rig: Rig, name: str, keys: signing.Keys, **change: Any) -> None:
     """A pod that wrote its own assignment and a lock naming it (what a hostile pod might try)."""
     p = pod(name, [{"example.com/npumem": 100}], node=NODE)
     meta = p["metadata"]
@@ -303,7 +303,7 @@ def _forge(rig: Rig, name: str, keys: list[bytes], **change: Any) -> None:
 @pytest.mark.parametrize(
     ("keys", "change", "match"),
     [
-        ([b"e" * 32], {}, "unknown key"),
+        ([b"e" * 32], {}, "unknown HMAC key"),
         (None, {"node": "node-b"}, "for node 'node-b'"),
         (None, {"pod_uid": "someone-else"}, "UID someone-else"),
         (None, {"issued_at": 1}, "stale"),
@@ -440,3 +440,41 @@ def test_the_example_configs_load() -> None:
     control = load_control_plane_config(examples / "control-plane.yaml")
     assert [f.count for f in control.resource_families()] == ["nvidia.com/gpu", "example.com/npu"]
     assert len(control.trusted_users) == 2
+
+
+class StaleKeysLink(FakeNodeLink):
+    """A node whose keys were read before a rotation: the old public key only, until read again."""
+
+    stale: signing.Keys = ()
+    reads: list[bool]
+
+    async def keys(self, fresh: bool = False) -> signing.Keys:
+        self.reads.append(fresh)
+        return self.cluster.keyring if fresh else self.stale
+
+
+async def test_a_node_reads_its_keys_again_when_an_assignment_names_a_key_it_lacks() -> None:
+    """Rotation: the extender signs with a new Ed25519 key the node has not read yet; the node reads its
+    keys once more and admits, instead of refusing until its next periodic refresh."""
+    old = signing.parse_keyring(signing.generate_private_pem())
+    new = signing.parse_keyring(signing.generate_private_pem())
+    rig = Rig()
+    link = StaleKeysLink(rig.cluster, NODE)
+    link.stale = signing.parse_keyring(old.public_pems(), private_ok=False)
+    link.reads = []
+    rig.link = link
+    rig.cluster.keyring = signing.parse_keyring(new.public_pems() + old.public_pems(), private_ok=False)
+    rig.scheduler.keys = lambda: new
+    await rig.schedule(pod("rotated", [{NPU: 1, "example.com/npumem": 1000}]))
+    _, env = await rig.admit(1, set())
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m"
+    assert link.reads == [False, True]
+    # a key nobody holds is still refused, after one more read, naming the key
+    rig2 = Rig()
+    rig2.scheduler.keys = lambda: signing.parse_keyring(signing.generate_private_pem())
+    rig2.cluster.keyring = signing.parse_keyring(old.public_pems(), private_ok=False)
+    await rig2.schedule(pod("foreign", [{NPU: 1, "example.com/npumem": 1000}]))
+    with pytest.raises(
+        BackendError, match=r"assignment refused: signed with unknown Ed25519 key [0-9a-f]{8}"
+    ):
+        await rig2.admit(1, set())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -223,3 +224,66 @@ async def test_shared_containers_may_not_set_kxpus_env(server: Server) -> None:
     assert not denied["allowed"] and "CUDA_DEVICE_MEMORY_LIMIT_0" in denied["status"]["message"]
     p["spec"]["containers"][0]["env"] = [{"name": "MY_SETTING", "value": "1"}]
     assert (await server.review("/validate", request(p)))["allowed"]
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        (
+            {"metadata": {"name": "p", "namespace": "ns", "annotations": {"a": 1}}},
+            "annotations['a']: expected a string",
+        ),
+        (
+            {"metadata": {"name": "p", "namespace": "ns", "labels": "x"}},
+            "pod.metadata.labels: expected an object",
+        ),
+        (
+            {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"env": "x"}]}},
+            "env: expected a list",
+        ),
+        (
+            {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"env": [1]}]}},
+            "env[0]: expected",
+        ),
+        (
+            {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"securityContext": []}]}},
+            "securityContext: expected an object",
+        ),
+        ({"metadata": {"name": "p", "namespace": "ns"}, "spec": "x"}, "pod.spec: expected an object"),
+    ],
+)
+async def test_a_malformed_pod_is_denied_naming_the_field(
+    server: Server, obj: dict[str, Any], message: str
+) -> None:
+    for path in ("/mutate", "/validate"):
+        answer = await server.review(path, request(obj))
+        assert answer["allowed"] is False and message in answer["status"]["message"], (path, answer)
+        assert answer["status"]["message"].startswith("malformed request.object: ")
+
+
+async def test_garbage_admission_reviews_never_get_a_server_error(server: Server) -> None:
+    rng = random.Random(11)
+    keys = ["request", "kind", "object", "oldObject", "metadata", "spec", "containers", "resources", "limits",
+            "annotations", "labels", "env", "securityContext", "userInfo", "operation", "uid"]  # fmt: skip
+
+    def garbage(depth: int = 0) -> Any:
+        kind = rng.randrange(7 if depth < 4 else 4)
+        if kind < 2:
+            return rng.choice([None, True, 3, "", "Pod", "CREATE", "UPDATE"])
+        if kind < 4:
+            return rng.choice(["x", "example.com/npu", "1"])
+        if kind == 4:
+            return [garbage(depth + 1) for _ in range(rng.randrange(3))]
+        return {rng.choice(keys): garbage(depth + 1) for _ in range(rng.randrange(4))}
+
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):
+            body = garbage()
+            if (
+                isinstance(body, dict) and rng.random() < 0.7
+            ):  # mostly well-framed reviews with garbage inside
+                body = {"request": {"uid": "u", "kind": {"kind": "Pod"}, "operation": rng.choice(["CREATE", "UPDATE"]),
+                                    "object": garbage(1), "oldObject": garbage(1)}}  # fmt: skip
+            for path in ("/mutate", "/validate"):
+                async with session.post(server.url + path, json=body, ssl=server.ssl) as response:
+                    assert response.status < 500, (path, body, await response.text())

@@ -394,8 +394,10 @@ def test_sharing_rbac_is_exact(sharing: Rendered) -> None:
         ("", "pods/status", (), ("patch",)),
     ]
     assert rules(sharing.one("Role", "kxpu-scheduler")) == [
-        ("", "secrets", ("kxpu-signing-key",), ("get",)),
+        ("", "configmaps", (), ("create",)),
+        ("", "configmaps", ("kxpu-verify-keys",), ("get", "update")),
         ("coordination.k8s.io", "leases", (), ("create",)),
+        ("coordination.k8s.io", "leases", (), ("get", "list", "watch", "patch")),
         ("coordination.k8s.io", "leases", ("kxpu-scheduler",), ("get", "update")),
     ]
     assert sorted(bound_roles(sharing, "kxpu-scheduler")) == [
@@ -410,8 +412,10 @@ def test_sharing_rbac_is_exact(sharing: Rendered) -> None:
         ("", "nodes", (), ("get", "patch")),
         ("", "pods", (), ("get", "patch")),
     ]
+    # Ed25519: the nodes read public keys only; no Secret at all
     assert rules(sharing.one("Role", "kxpu-plugin-signing-key")) == [
-        ("", "secrets", ("kxpu-signing-key",), ("get",))
+        ("", "configmaps", ("kxpu-verify-keys",), ("get",)),
+        ("coordination.k8s.io", "leases", (), ("get", "patch")),
     ]
     assert sorted(bound_roles(sharing, "kxpu-plugin")) == [
         "ClusterRole/kxpu-plugin-sharing",
@@ -431,17 +435,29 @@ def test_node_daemon_gets_its_node_name_and_the_key(sharing: Rendered) -> None:
         assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in env
     config = config_of(sharing, by_config["default"])
     assert config["resources"][0]["sharing"]["signingKey"] == {
-        "secret": "kxpu-system/kxpu-signing-key",
+        "configMap": "kxpu-system/kxpu-verify-keys",
         "field": "keys",
     }
+    assert config["resources"][0]["sharing"]["extraKeys"] == []
+    assert config["resources"][0]["sharing"]["lockNamespace"] == "kxpu-system"
     parse_config(config, "sharing default")
     # A resource naming its own key keeps it.
     own = config_of(sharing, by_config["own-key"])
     assert own["resources"][0]["sharing"]["signingKey"] == {"file": "/etc/kxpu/keys"}
-    secret = sharing.one("Secret", "kxpu-signing-key")
+    # Ed25519 only: no HMAC Secret; the private key, kept across upgrades and uninstall
+    assert not [s for s in sharing.kinds("Secret") if s["metadata"]["name"] == "kxpu-signing-key"]
+    secret = sharing.one("Secret", "kxpu-signing-ed25519")
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    (key,) = signing_keys(secret)
-    assert len(key) >= 32
+    ring = ed25519_keys(secret)
+    assert ring.signer is not None and len(ring.public_keys) == 1 and not ring.hmac_keys
+
+
+def ed25519_keys(secret: dict[str, Any]) -> Any:
+    import base64
+
+    from kxpu.sharing.signing import parse_keyring
+
+    return parse_keyring(base64.b64decode(secret["data"]["keys"]))
 
 
 def signing_keys(secret: dict[str, Any]) -> list[bytes]:
@@ -458,7 +474,9 @@ def test_control_plane_and_scheduler_config(sharing: Rendered) -> None:
     cm = sharing.one("ConfigMap", "kxpu-sharing")
     control = ControlPlaneConfig.model_validate(yaml.safe_load(cm["data"]["control-plane.yaml"]))
     assert [f.count for f in control.resource_families()] == ["example.com/sim-npu", "nvidia.com/gpu"]
-    assert control.signing_key.secret_ref == ("kxpu-system", "kxpu-signing-key")
+    assert control.signing_key.file == Path("/etc/kxpu-signing/keys") and control.extra_keys == []
+    assert control.public_keys_config_map == "kxpu-system/kxpu-verify-keys"
+    assert (control.node_lock, control.lock_namespace) == ("lease", "kxpu-system")
     assert control.trusted_users == [
         "system:serviceaccount:kxpu-system:kxpu-scheduler",
         "system:serviceaccount:kxpu-system:kxpu-plugin",
@@ -513,8 +531,15 @@ def test_scheduler_deployment(sharing: Rendered) -> None:
     for c in (scheduler, extender):
         assert {"name": "config", "mountPath": "/etc/kxpu", "readOnly": True} in c["volumeMounts"]
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
-    assert pod["volumes"] == [{"name": "config", "configMap": {"name": "kxpu-sharing"}}]
+    # the Ed25519 private key: mounted into the extender only
+    key_mount = {"name": "signing-key", "mountPath": "/etc/kxpu-signing", "readOnly": True}
+    assert key_mount in extender["volumeMounts"] and key_mount not in scheduler["volumeMounts"]
+    assert pod["volumes"] == [
+        {"name": "config", "configMap": {"name": "kxpu-sharing"}},
+        {"name": "signing-key", "secret": {"secretName": "kxpu-signing-ed25519", "defaultMode": 0o440}},
+    ]
     assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]  # reads the 0440 key
 
 
 def test_webhook_deployment_and_tls(sharing: Rendered) -> None:
@@ -688,3 +713,75 @@ def test_dra_daemonsets_get_the_plugin_dirs_node_name_and_token(dra: Rendered) -
             "env"
         ]
         assert pod["automountServiceAccountToken"] is True
+
+
+@pytest.mark.parametrize(
+    ("scheme", "accept_hmac", "extender", "nodes", "node_secret"),
+    [
+        ("hmac", True, ["secret"], ["secret"], True),
+        ("hmac+ed25519", True, ["secret", "file"], ["secret", "configMap"], True),
+        ("ed25519+hmac", True, ["file", "secret"], ["configMap", "secret"], True),
+        ("ed25519+hmac", False, ["file", "secret"], ["configMap"], False),
+    ],
+)
+def test_the_upgrade_from_hmac_keys_step_by_step(
+    helm: Path, scheme: str, accept_hmac: bool, extender: list[str], nodes: list[str], node_secret: bool
+) -> None:
+    """Each step of docs/sharing.md's upgrade: which key signs, which verify where, who may read the HMAC Secret."""
+    from kxpu.sharing.config import ControlPlaneConfig
+
+    rendered = template(
+        helm,
+        "-f",
+        str(SHARING_VALUES),
+        "--set",
+        f"sharing.signing.scheme={scheme}",
+        "--set",
+        f"sharing.signing.nodesAcceptHmac={str(accept_hmac).lower()}",
+    )
+    cm = rendered.one("ConfigMap", "kxpu-sharing")
+    control = ControlPlaneConfig.model_validate(yaml.safe_load(cm["data"]["control-plane.yaml"]))
+    sources = [control.signing_key, *control.extra_keys]
+    assert [next(k for k in ("secret", "file") if getattr(s, k) is not None) for s in sources] == extender
+    node = config_of(rendered, daemonsets_by_config(rendered)["default"])["resources"][0]["sharing"]
+    node_sources = [node["signingKey"], *node["extraKeys"]]
+    assert [next(iter(k for k in s if k != "field")) for s in node_sources] == nodes
+    plugin_rules = rules(rendered.one("Role", "kxpu-plugin-signing-key"))
+    assert (("", "secrets", ("kxpu-signing-key",), ("get",)) in plugin_rules) == node_secret
+    assert bool([s for s in rendered.kinds("Secret") if s["metadata"]["name"] == "kxpu-signing-ed25519"]) == (
+        "ed25519" in scheme
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "sharing.signing.scheme=rsa"], '"rsa" is not ed25519, hmac'),
+        (["--set", "sharing.signing.scheme=hmac+hmac"], "is not ed25519, hmac"),
+        (
+            ["--set", "sharing.signing.scheme=hmac", "--set", "sharing.signing.nodesAcceptHmac=false"],
+            "no key to verify",
+        ),
+        (["--set", "sharing.nodeLock=node"], '"node" is not lease or annotation'),
+    ],
+)
+def test_bad_signing_values_are_refused(helm: Path, args: list[str], message: str) -> None:
+    assert message in template_error(helm, "-f", str(SHARING_VALUES), *args)
+
+
+def test_two_scheduler_replicas_elect_a_leader(helm: Path) -> None:
+    """A standby kube-scheduler + extender pair: both replicas' kube-schedulers take part in leader election."""
+    rendered = template(helm, "-f", str(SHARING_VALUES), "--set", "scheduler.replicas=2")
+    assert rendered.one("Deployment", "kxpu-scheduler")["spec"]["replicas"] == 2
+    config = yaml.safe_load(rendered.one("ConfigMap", "kxpu-sharing")["data"]["scheduler-config.yaml"])
+    assert config["leaderElection"]["leaderElect"] is True
+    message = template_error(
+        helm,
+        "-f",
+        str(SHARING_VALUES),
+        "--set",
+        "scheduler.replicas=2",
+        "--set",
+        "scheduler.kubeScheduler.leaderElect=false",
+    )
+    assert "scheduler.replicas > 1 needs scheduler.kubeScheduler.leaderElect: true" in message

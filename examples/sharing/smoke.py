@@ -101,6 +101,7 @@ def main() -> None:
                         "sharing": {
                             "splitCount": 4,
                             "signingKey": {"secret": f"{NS}/keys"},
+                            "lockNamespace": NS,
                             "publishIntervalSeconds": 5,
                             "visibleDevicesEnv": "NPU_VISIBLE_DEVICES",
                         },
@@ -117,6 +118,7 @@ def main() -> None:
                 "families": [{"resource": RES}],
                 "schedulerName": "kxpu-smoke",
                 "signingKey": {"secret": f"{NS}/keys"},
+                "lockNamespace": NS,
             }
         )
     )

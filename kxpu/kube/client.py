@@ -80,5 +80,16 @@ async def post_event(
     )
 
 
+async def get_raw(client: AsyncClient, path: str) -> str:
+    """GET a non-resource path of the API server (``/metrics``, ``/readyz``) with the client's credentials.
+
+    lightkube has no call for these; its HTTP client (httpx, with the cluster's base URL and auth) does.
+    """
+    http = client._client._client  # lightkube's GenericAsyncClient → httpx.AsyncClient
+    response = await http.get(path)
+    response.raise_for_status()
+    return str(response.text)
+
+
 def now() -> float:
     return time.time()

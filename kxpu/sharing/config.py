@@ -10,7 +10,9 @@ Node side, on a resource of the daemon's config (the count resource is the resou
           memoryScaling: 1.0         # > 1 overcommits memory
           coreScaling: 1.0           # > 1 overcommits cores
           nodeName: null             # default: $NODE_NAME
-          signingKey: {secret: kxpu-system/kxpu-signing-key, field: keys}   # or {file: /etc/kxpu/keys}
+          signingKey: {configMap: kxpu-system/kxpu-verify-keys}   # or {secret: ns/name} or {file: /etc/kxpu/keys}
+          extraKeys: []              # more sources (the HMAC Secret during the upgrade from HMAC)
+          lockNamespace: kxpu-system # the per-node lock Leases
           visibleDevicesEnv: KXPU_VISIBLE_DEVICES
           memoryLimitEnv: CUDA_DEVICE_MEMORY_LIMIT_{i}
           coreLimitEnv: CUDA_DEVICE_SM_LIMIT
@@ -30,7 +32,11 @@ Control plane (``kxpu scheduler --config`` and ``kxpu webhook --config``)::
     nodePolicy: binpack
     devicePolicy: spread
     schedulerName: kxpu-scheduler
-    signingKey: {secret: kxpu-system/kxpu-signing-key}
+    signingKey: {file: /etc/kxpu/signing/keys}     # an Ed25519 private key (PEM); or HMAC keys
+    extraKeys: []                    # more key sources, verify only unless no earlier key can sign
+    publicKeysConfigMap: kxpu-system/kxpu-verify-keys   # where the nodes read the public keys
+    nodeLock: lease                  # or annotation (the Node object; before this release)
+    lockNamespace: kxpu-system
     lockTimeoutSeconds: 60           # a lock whose pod was never bound expires after this
     lockHardExpirySeconds: 600       # a bound pod never admitted (kubelet down) is failed after this
     inventoryStaleSeconds: 120
@@ -68,18 +74,23 @@ class _Model(BaseModel):
 
 
 class KeySource(_Model):
-    """Where the HMAC keys come from: a Secret (``namespace/name``, read through the API) or a file."""
+    """Where keys come from (``signing.parse_keyring``'s format): a Secret or ConfigMap (``namespace/name``,
+    read through the API) or a file (a mounted Secret)."""
 
     secret: str | None = None
+    config_map: str | None = None
     field: str = "keys"
     file: Path | None = None
 
     @model_validator(mode="after")
     def _one(self) -> KeySource:
-        if (self.secret is None) == (self.file is None):
-            raise ValueError("set exactly one of secret (namespace/name) and file")
-        if self.secret is not None and self.secret.count("/") != 1:
-            raise ValueError(f"secret {self.secret!r} must be namespace/name")
+        if sum(x is not None for x in (self.secret, self.config_map, self.file)) != 1:
+            raise ValueError(
+                "set exactly one of secret (namespace/name), configMap (namespace/name) and file"
+            )
+        for kind, ref in (("secret", self.secret), ("configMap", self.config_map)):
+            if ref is not None and ref.count("/") != 1:
+                raise ValueError(f"{kind} {ref!r} must be namespace/name")
         return self
 
     @property
@@ -87,6 +98,18 @@ class KeySource(_Model):
         assert self.secret is not None
         namespace, _, name = self.secret.partition("/")
         return namespace, name
+
+    @property
+    def config_map_ref(self) -> tuple[str, str]:
+        assert self.config_map is not None
+        namespace, _, name = self.config_map.partition("/")
+        return namespace, name
+
+    def describe(self) -> str:
+        if self.file is not None:
+            return str(self.file)
+        kind = "secret" if self.secret is not None else "configmap"
+        return f"{kind} {self.secret or self.config_map} field {self.field}"
 
 
 class MountConfig(_Model):
@@ -103,6 +126,11 @@ class SharingConfig(_Model):
     core_scaling: float = Field(default=1.0, gt=0, le=100)
     node_name: str | None = None
     signing_key: KeySource = Field(default_factory=lambda: KeySource(secret="kxpu-system/kxpu-signing-key"))
+    # more key sources, joined after signingKey (during the upgrade from HMAC: the old HMAC Secret and the
+    # extender's public keys); a node never accepts a private key
+    extra_keys: list[KeySource] = Field(default_factory=list)
+    # where the extender keeps the per-node lock Leases (nodeLock: lease)
+    lock_namespace: str = "kxpu-system"
     visible_devices_env: str = "KXPU_VISIBLE_DEVICES"
     memory_limit_env: str = "CUDA_DEVICE_MEMORY_LIMIT_{i}"
     core_limit_env: str = "CUDA_DEVICE_SM_LIMIT"
@@ -154,6 +182,14 @@ class ControlPlaneConfig(_Model):
     device_policy: Policy = Policy.SPREAD
     scheduler_name: str = "kxpu-scheduler"
     signing_key: KeySource = Field(default_factory=lambda: KeySource(secret="kxpu-system/kxpu-signing-key"))
+    # more key sources, joined after signingKey: the first key that can sign signs, all verify
+    extra_keys: list[KeySource] = Field(default_factory=list)
+    # the ConfigMap (namespace/name) where the extender publishes its Ed25519 public keys for the nodes
+    public_keys_config_map: str | None = None
+    # lease: one coordination.k8s.io Lease per node and family in lockNamespace (nodes that publish
+    # kxpu.io/lock-protocol: lease; others keep the annotation); annotation: the Node annotation only
+    node_lock: Literal["lease", "annotation"] = "lease"
+    lock_namespace: str = "kxpu-system"
     lock_timeout_seconds: float = Field(default=60.0, gt=0)
     lock_hard_expiry_seconds: float = Field(default=600.0, gt=0)
     inventory_stale_seconds: float = Field(default=120.0, gt=0)

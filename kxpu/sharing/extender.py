@@ -38,7 +38,6 @@ kube-scheduler configuration (``KubeSchedulerConfiguration``)::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import time
@@ -118,10 +117,21 @@ def _nodes(args: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]] | None
     """Node names, and the full node objects when kube-scheduler sent them (nodeCacheCapable false)."""
     names = _field(args, "NodeNames")
     if names is not None:
-        return [str(n) for n in names], None
-    items = (_field(args, "Nodes") or {}).get("items") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise web.HTTPBadRequest(text="NodeNames: expected a list of node names")
+        return names, None
+    nodes = _field(args, "Nodes") or {}
+    items = nodes.get("items") if isinstance(nodes, dict) else None
+    if not isinstance(nodes, dict) or not isinstance(items or [], list):
+        raise web.HTTPBadRequest(text="Nodes: expected a NodeList object with items")
+    items = items or []
+    for n, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("metadata") or {}, dict):
+            raise web.HTTPBadRequest(text=f"Nodes.items[{n}]: expected a Node object")
     return [str((item.get("metadata") or {}).get("name", "")) for item in items], items
 
+
+KEY_REFRESH_S = 15.0  # how often the extender re-reads its keys and republishes the public ones
 
 NOT_SYNCED = "kxpu scheduler: node and pod caches not synced yet; retry"
 
@@ -199,8 +209,10 @@ def make_app(scheduler: Scheduler, ready: Callable[[], bool] = lambda: True) -> 
     return app
 
 
-def _pod_name(pod: dict[str, Any]) -> str:
-    meta = pod.get("metadata") or {}
+def _pod_name(pod: Any) -> str:
+    meta = (pod.get("metadata") if isinstance(pod, dict) else None) or {}
+    if not isinstance(meta, dict):
+        return "?"
     return f"{meta.get('namespace')}/{meta.get('name')}"
 
 
@@ -237,7 +249,7 @@ class MeteredAPI:
 
 
 class LockSweeper(Protocol):
-    async def sweep_lock(self, node: str, resource: str, text: str) -> str | None: ...
+    async def sweep_lock(self, node: str, resource: str, text: str, in_lease: bool = False) -> str | None: ...
 
 
 async def sweep_locks(
@@ -254,14 +266,16 @@ async def sweep_locks(
     while True:
         await asyncio.sleep(interval)
         wall = time.time()
-        for node, resource, text in state.held_locks():
+        held = [(n, r, t, False) for n, r, t in state.held_locks()]
+        held += [(n, r, t, True) for n, r, t in state.held_leases()]
+        for node, resource, text, in_lease in held:
             try:
                 if wall - NodeLock.decode(text).acquired < lock_ttl_s:
                     continue
             except LockError:
                 continue
             try:
-                await api.sweep_lock(node, resource, text)
+                await api.sweep_lock(node, resource, text, in_lease)
             except Exception as exc:
                 log.warning("could not check a node lock", node=node, resource=resource, error=str(exc))
 
@@ -270,19 +284,41 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
     """Run the extender until cancelled: caches from watches, keys from the Secret, HTTP on ``address``
     (and metrics and probes on ``metrics_address`` unless it is empty)."""
     from kxpu.kube.client import make_client
+    from kxpu.logs import error_text
     from kxpu.sharing.kube.api import KubeSchedulerAPI
     from kxpu.sharing.kube.informer import Informer
-    from kxpu.sharing.kube.keys import KeyStore
+    from kxpu.sharing.kube.keys import KeyStore, publish_public_keys
 
     client = make_client()
-    keys = KeyStore(config.signing_key, lambda: client)
+    keys = KeyStore([config.signing_key, *config.extra_keys], lambda: client)
     try:
-        await keys.load()
+        ring = await keys.load()
     except Exception as exc:
-        raise SystemExit(f"kxpu: error: cannot load the signing keys ({config.signing_key}): {exc}") from None
+        sources = ", ".join(s.describe() for s in keys.sources)
+        raise SystemExit(f"kxpu: error: cannot load the signing keys ({sources}): {exc}") from None
+    if ring.signer is None:
+        raise SystemExit(
+            "kxpu: error: the signing keys hold no key that can sign (an Ed25519 private key or an HMAC key): "
+            + ring.describe()
+        )
+
+    async def publish_keys() -> None:
+        if config.public_keys_config_map is None:
+            return
+        try:
+            await publish_public_keys(client, config.public_keys_config_map, keys.current())
+        except Exception as exc:
+            log.warning(
+                "could not publish the public keys",
+                configmap=config.public_keys_config_map,
+                error=error_text(exc),
+            )
+
+    await publish_keys()
     families = config.resource_families()
     state = ClusterState([f.count for f in families], stale_after_s=config.inventory_stale_seconds)
-    informer = Informer(client, state, keys.current)
+    lease = config.node_lock == "lease"
+    informer = Informer(client, state, keys.current, config.lock_namespace if lease else None)
     kube_api = KubeSchedulerAPI(
         client,
         owner,
@@ -290,6 +326,11 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
         hard_expiry_s=config.lock_hard_expiry_seconds,
         on_takeover=lambda why: metrics.LOCK_TAKEOVERS.labels(metrics.takeover_cause(why)).inc(),
         cached=state.lock_view,
+        node_lock=config.node_lock,
+        lock_namespace=config.lock_namespace,
+        lease_node=state.lease_node,
+        cached_lease=state.lease_view,
+        lease_cache_synced=lambda: informer.synced("leases"),
     )
     api = MeteredAPI(kube_api)
     scheduler = Scheduler(state, families, keys.current, api, config.node_policy, config.device_policy)
@@ -311,13 +352,22 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
         while True:
             tune_gc()
             await asyncio.sleep(300)
-            with contextlib.suppress(Exception):
+
+    async def refresh_keys() -> None:
+        # a rotation reaches the signer, and the nodes through the published public keys, within this
+        while True:
+            await asyncio.sleep(KEY_REFRESH_S)
+            try:
                 await keys.load()
+            except Exception as exc:
+                log.warning("could not reload the signing keys; using the last ones", error=error_text(exc))
+            await publish_keys()
 
     try:
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(informer.run())
             tasks.create_task(housekeeping())
+            tasks.create_task(refresh_keys())
             tasks.create_task(
                 sweep_locks(state, kube_api, config.lock_timeout_seconds, informer.synced_event)
             )

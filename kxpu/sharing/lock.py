@@ -1,12 +1,17 @@
 """The node lock: at most one pod per node and family between bind and Allocate.
 
 The kubelet's Allocate carries no pod identity, so the node daemon learns which pod it is
-admitting from a lock the extender takes at bind: the node annotation
-``kxpu.io/lock.<domain>_<name>`` (e.g. ``kxpu.io/lock.nvidia.com_gpu``) holding
-``{"pod": "ns/name", "uid": …, "owner": …, "acquired": t, "expires": t}``. It is written
-with a compare-and-swap on the node's resourceVersion and released by the node daemon
-once the pod's last container of that family is allocated (which also marks the pod
-``kxpu.io/allocated.<domain>_<name>``).
+admitting from a lock the extender takes at bind, holding
+``{"pod": "ns/name", "uid": …, "owner": …, "acquired": t, "expires": t}``. It lives in a
+``coordination.k8s.io/v1`` Lease per node and family (``lease_name``: ``spec.holderIdentity``
+is the lock, absent when free), so that a lock and its release are not Node updates sent to
+every Node watcher of the cluster (CNI agents, kube-proxy, …). Before this release it lived in
+the node annotation ``kxpu.io/lock.<domain>_<name>`` (e.g. ``kxpu.io/lock.nvidia.com_gpu``);
+the extender keeps using that on nodes whose daemon does not announce
+``kxpu.io/lock-protocol: lease`` (an older daemon during a rolling upgrade), and honours an
+annotation lock still held when it switches. Either is written with a compare-and-swap on
+the object's resourceVersion and released by the node daemon once the pod's last container
+of that family is allocated (which also marks the pod ``kxpu.io/allocated.<domain>_<name>``).
 
 Recovery (``holder_state``), so a lost release never stalls a node for minutes as HAMi's
 5-minute lock does, yet a lock is never handed over while its pod may still be admitted
@@ -22,7 +27,9 @@ admits it under another pod's lock; its controller replaces it.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +53,23 @@ def _suffix(resource: str) -> str:
 
 def lock_key(resource: str) -> str:
     return LOCK_PREFIX + _suffix(resource)
+
+
+# On a node: which lock its daemon reads ("lease": the Lease and, for locks taken before, the annotation).
+LOCK_PROTOCOL_ANNOTATION = "kxpu.io/lock-protocol"
+# On lock Leases: what the extender's Lease watch selects on, and which node and family each is for.
+LEASE_LABEL = "kxpu.io/node-lock"
+LEASE_NODE_ANNOTATION = "kxpu.io/node"
+LEASE_RESOURCE_ANNOTATION = "kxpu.io/resource"
+_NOT_NAME = re.compile(r"[^a-z0-9.-]+")
+
+
+def lease_name(node: str, resource: str) -> str:
+    """The lock Lease of ``node`` and ``resource``: a DNS subdomain name, readable, and unique by a hash."""
+    readable = _NOT_NAME.sub("-", f"kxpu-lock.{node}.{resource}".lower().replace("/", "."))
+    digest = hashlib.sha256(f"{node}\0{resource}".encode()).hexdigest()[:8]
+    readable = re.sub(r"\.[.-]+|-+\.", ".", readable)[:240].strip(".-")
+    return f"{readable}.{digest}"
 
 
 def allocated_key(resource: str) -> str:

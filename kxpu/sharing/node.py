@@ -88,7 +88,8 @@ class NodeLink(Protocol):
     async def warn(self, lock: NodeLock | None, reason: str, message: str) -> None:
         """A Warning event on the pod (or the node when no pod is known)."""
 
-    async def keys(self) -> list[bytes]: ...
+    async def keys(self, fresh: bool = False) -> signing.Keys:
+        """The keys that verify assignments; ``fresh``: read them again now (a rotation may be under way)."""
 
 
 class NotYet(Exception):
@@ -244,20 +245,26 @@ class SharingBackend(Backend):
             )
         if signing.ASSIGNMENT_ANNOTATION not in annotations:
             raise NotYet(f"pod {lock.pod} has no assignment yet")
-        try:
-            assignment = signing.verify(
-                annotations.get(signing.ASSIGNMENT_ANNOTATION),
-                annotations.get(signing.SIGNATURE_ANNOTATION),
-                await self.link.keys(),
-                pod_uid=str(meta.get("uid")),
-                namespace=str(meta.get("namespace")),
-                name=str(meta.get("name")),
-                node=self.node_name,
-                now=self.clock(),
-                max_age_s=self.config.max_assignment_age_seconds,
-            )
-        except signing.SignatureError as exc:
-            raise _Refusal(lock, f"pod {lock.pod}: assignment refused: {exc}") from None
+        for fresh in (False, True):
+            try:
+                assignment = signing.verify(
+                    annotations.get(signing.ASSIGNMENT_ANNOTATION),
+                    annotations.get(signing.SIGNATURE_ANNOTATION),
+                    await self.link.keys(fresh),
+                    pod_uid=str(meta.get("uid")),
+                    namespace=str(meta.get("namespace")),
+                    name=str(meta.get("name")),
+                    node=self.node_name,
+                    now=self.clock(),
+                    max_age_s=self.config.max_assignment_age_seconds,
+                )
+                break
+            except signing.SignatureError as exc:
+                # signed with a key we do not hold (yet): the keys may have been rotated since we read
+                # them; read them again once before refusing
+                if not fresh and signing.is_unknown_key(exc):
+                    continue
+                raise _Refusal(lock, f"pod {lock.pod}: assignment refused: {exc}") from None
         if not assignment.for_resource(self.resource):
             raise _Refusal(lock, f"pod {lock.pod}: its assignment gives no {self.resource} devices")
         previous = self._pending.get(lock.uid)

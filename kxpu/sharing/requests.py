@@ -224,8 +224,46 @@ def requested_names(families: Sequence[ResourceFamily]) -> frozenset[str]:
     return frozenset(name for f in families for name in f.names)
 
 
+def _expect(value: Any, kind: type, where: str) -> Any:
+    if value is not None and not isinstance(value, kind):
+        what = "an object" if kind is dict else "a list" if kind is list else kind.__name__
+        raise RequestError(f"{where}: expected {what}, got {type(value).__name__}")
+    return value
+
+
+def check_pod_shape(pod: Any) -> None:
+    """RequestError naming the field if the pod object is not shaped as Kubernetes writes one (the extender's
+    HTTP callers send JSON: a malformed one must get an answer saying what is wrong, not a traceback)."""
+    if not isinstance(pod, dict):
+        raise RequestError(f"pod: expected an object, got {type(pod).__name__}")
+    meta = _expect(pod.get("metadata"), dict, "pod.metadata") or {}
+    for field in ("annotations", "labels"):
+        for key, value in (_expect(meta.get(field), dict, f"pod.metadata.{field}") or {}).items():
+            if not isinstance(value, str):
+                kind = type(value).__name__
+                raise RequestError(f"pod.metadata.{field}[{key!r}]: expected a string, got {kind}")
+    spec = _expect(pod.get("spec"), dict, "pod.spec") or {}
+    for field in ("initContainers", "containers"):
+        for n, container in enumerate(_expect(spec.get(field), list, f"pod.spec.{field}") or []):
+            where = f"pod.spec.{field}[{n}]"
+            _expect(container, dict, where)
+            _expect(container.get("securityContext"), dict, f"{where}.securityContext")
+            for m, env in enumerate(_expect(container.get("env"), list, f"{where}.env") or []):
+                _expect(env, dict, f"{where}.env[{m}]")
+            resources = _expect(container.get("resources"), dict, f"{where}.resources") or {}
+            for kind in ("limits", "requests"):
+                for name, value in (
+                    _expect(resources.get(kind), dict, f"{where}.resources.{kind}") or {}
+                ).items():
+                    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                        raise RequestError(
+                            f"{where}.resources.{kind}[{name!r}]: expected a quantity, got {type(value).__name__}"
+                        )
+
+
 def parse_pod(pod: Mapping[str, Any], families: Sequence[ResourceFamily]) -> list[PodRequest]:
     """One PodRequest per family the pod asks for (none: the pod is not ours)."""
+    check_pod_shape(pod)
     spec = pod.get("spec") or {}
     annotations: Mapping[str, str] = (pod.get("metadata") or {}).get("annotations") or {}
     all_names = requested_names(families)

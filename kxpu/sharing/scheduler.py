@@ -28,6 +28,7 @@ from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod
 from kxpu.sharing.signing import (
     ASSIGNMENT_ANNOTATION,
     SIGNATURE_ANNOTATION,
+    Keys,
     SignatureError,
     encode_assignment,
     sign,
@@ -87,7 +88,7 @@ class Scheduler:
         self,
         state: ClusterState,
         families: Sequence[ResourceFamily],
-        keys: Callable[[], Sequence[bytes]],
+        keys: Callable[[], Keys],
         api: SchedulerAPI | None = None,
         node_policy: Policy = Policy.BINPACK,
         device_policy: Policy = Policy.SPREAD,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kxpu.logs import get_logger
 from kxpu.sharing import inventory
 from kxpu.sharing.fit import NodeState
-from kxpu.sharing.lock import lock_key
+from kxpu.sharing.lock import LOCK_PROTOCOL_ANNOTATION, lock_key
 from kxpu.sharing.model import Assignment, NodeInventory
 
 log = get_logger("kxpu.sharing.state")
@@ -59,6 +59,9 @@ class ClusterState:
         self._locked: set[str] = set()  # nodes whose lock (any family) a pod holds between bind and Allocate
         self._locks: dict[str, dict[str, str]] = {}  # node → resource → lock text, as last seen
         self._versions: dict[str, str] = {}  # node → the Node object's resourceVersion, as last seen
+        self._lease_nodes: set[str] = set()  # nodes whose daemon reads lock Leases (kxpu.io/lock-protocol)
+        # node → resource → (the lock Lease's resourceVersion, lock text or None), as last seen
+        self._leases: dict[str, dict[str, tuple[str, str | None]]] = {}
         self.generation = 0  # moves on every change of any node's devices or usage
         self._retired_version = 0  # the highest version a removed node reached
 
@@ -73,11 +76,17 @@ class ClusterState:
         else:
             self._versions[name] = resource_version
         locks = {r: annotations[key] for r, key in self._lock_keys.items() if key in annotations}
+        if annotations.get(LOCK_PROTOCOL_ANNOTATION) == "lease":
+            self._lease_nodes.add(name)
+        else:
+            self._lease_nodes.discard(name)
         if locks:
             self._locked.add(name)
             self._locks[name] = locks
-        else:
+        elif not self._lease_held(name):
             self._locked.discard(name)
+            self._locks.pop(name, None)
+        else:
             self._locks.pop(name, None)
         entry = self._entry(name)
         changed = False
@@ -134,8 +143,10 @@ class ClusterState:
         entry = self._nodes.pop(name, None)
         if entry is not None:
             self._retired_version = max(self._retired_version, entry.state.version)
-        self._locked.discard(name)
         self._locks.pop(name, None)
+        if not self._lease_held(name):
+            self._locked.discard(name)
+        self._lease_nodes.discard(name)
         self._versions.pop(name, None)
         self.generation += 1
 
@@ -188,6 +199,40 @@ class ClusterState:
     def held_locks(self) -> list[tuple[str, str, str]]:
         """(node, resource, lock text) of every node lock as last seen: what the lock sweeper checks."""
         return [(node, r, text) for node, locks in self._locks.items() for r, text in locks.items()]
+
+    def lease_node(self, name: str) -> bool:
+        """Whether the node's daemon reads lock Leases (it announces kxpu.io/lock-protocol: lease)."""
+        return name in self._lease_nodes
+
+    def _lease_held(self, name: str) -> bool:
+        return any(text is not None for _, text in self._leases.get(name, {}).values())
+
+    def set_lease(self, node: str, resource: str, version: str | None, text: str | None) -> None:
+        """A lock Lease as the Lease watch shows it (version None: deleted)."""
+        if version is None:
+            self._leases.get(node, {}).pop(resource, None)
+        else:
+            self._leases.setdefault(node, {})[resource] = (version, text)
+        if self._lease_held(node) or node in self._locks:
+            self._locked.add(node)
+        else:
+            self._locked.discard(node)
+
+    def lease_view(self, node: str, resource: str) -> tuple[str, str | None] | None:
+        """(resourceVersion, lock text or None) of the node's lock Lease as last seen; None if unknown."""
+        return self._leases.get(node, {}).get(resource)
+
+    def held_leases(self) -> list[tuple[str, str, str]]:
+        """(node, resource, lock text) of every lock held in a Lease as last seen."""
+        return [
+            (node, r, text)
+            for node, leases in self._leases.items()
+            for r, (_, text) in leases.items()
+            if text
+        ]
+
+    def lease_keys(self) -> set[tuple[str, str]]:
+        return {(node, r) for node, leases in self._leases.items() for r in leases}
 
     def mark_locked(self, name: str) -> None:
         """We just took the node's lock: count it before the node watch shows it."""

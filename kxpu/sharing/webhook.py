@@ -61,7 +61,7 @@ from kxpu.sharing import probes
 from kxpu.sharing import webhook_metrics as metrics
 from kxpu.sharing.config import DEFAULT_PROTECTED_ENV
 from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, BIND_PHASE_ANNOTATION, LOCK_PREFIX
-from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod, requested_names
+from kxpu.sharing.requests import RequestError, ResourceFamily, check_pod_shape, parse_pod, requested_names
 from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION
 
 log = get_logger("kxpu.sharing.webhook")
@@ -224,13 +224,30 @@ def make_app(
         inner = review.get("request") if isinstance(review, dict) else None
         if not isinstance(inner, dict):
             raise web.HTTPBadRequest(text="expected an AdmissionReview with a request")
+        for field in ("kind", "userInfo"):
+            if not isinstance(inner.get(field) or {}, dict):
+                raise web.HTTPBadRequest(text=f"request.{field}: expected an object")
         return inner
+
+    def malformed(review: dict[str, Any]) -> str | None:
+        """Why the review's pod objects are not shaped as Kubernetes writes pods (None: they are)."""
+        for field in ("object", "oldObject"):
+            if review.get(field) is None:
+                continue
+            try:
+                check_pod_shape(review[field])
+            except RequestError as exc:
+                return f"malformed request.{field}: {exc}"
+        return None
 
     async def mutate_(request: web.Request) -> web.Response:
         review = await body(request)
         started = time.perf_counter()
-        if review.get("kind", {}).get("kind") != "Pod" or review.get("operation") != "CREATE":
+        if (review.get("kind") or {}).get("kind") != "Pod" or review.get("operation") != "CREATE":
             return _answer("mutate", started, _review(review, True), "allowed", "not-a-pod-create")
+        bad = malformed(review)
+        if bad:
+            return _answer("mutate", started, _review(review, False, bad), "denied", "malformed")
         patch = mutate(review.get("object") or {}, families, scheduler_name)
         if patch:
             log.info("mutated", pod=_name(review), ops=len(patch))
@@ -240,8 +257,11 @@ def make_app(
     async def validate_(request: web.Request) -> web.Response:
         review = await body(request)
         started = time.perf_counter()
-        if review.get("kind", {}).get("kind") != "Pod":
+        if (review.get("kind") or {}).get("kind") != "Pod":
             return _answer("validate", started, _review(review, True), "allowed", "not-a-pod")
+        bad = malformed(review)
+        if bad:
+            return _answer("validate", started, _review(review, False, bad), "denied", "malformed")
         reason = validate(review, families, trusted_users, scheduler_name, protected_env)
         if reason:
             log.info("denied", pod=_name(review), reason=reason)
@@ -266,7 +286,8 @@ def _answer(webhook: str, started: float, review: dict[str, Any], verdict: str, 
 
 
 def _name(review: Mapping[str, Any]) -> str:
-    return f"{review.get('namespace')}/{review.get('name') or (review.get('object') or {}).get('metadata', {}).get('generateName', '')}"
+    meta = (review.get("object") or {}).get("metadata") or {}
+    return f"{review.get('namespace')}/{review.get('name') or meta.get('generateName', '')}"
 
 
 class ReloadingTLS:

@@ -23,6 +23,7 @@ from kxpu.sharing.lock import (
 )
 from kxpu.sharing.model import NodeInventory, SharedDevice
 from kxpu.sharing.scheduler import LockBusy, PodRef
+from kxpu.sharing.signing import Keys
 
 
 def inventory(
@@ -102,7 +103,7 @@ class FakeCluster:
     hard_expiry_s: float = 600.0
     fail_bind: bool = False
     clock: Any = time.time
-    keyring: list[bytes] = field(default_factory=lambda: [b"k" * 32])
+    keyring: Keys = field(default_factory=lambda: [b"k" * 32])
     writes: list[str] = field(default_factory=list)  # the bind path's API writes, in order: lock, label, bind
 
     def add_pod(self, obj: Mapping[str, Any]) -> None:
@@ -199,5 +200,5 @@ class FakeNodeLink:
     async def warn(self, lock: NodeLock | None, reason: str, message: str) -> None:
         self.cluster.events.append((lock.pod if lock else f"node/{self.node}", reason, message))
 
-    async def keys(self) -> list[bytes]:
-        return list(self.cluster.keyring)
+    async def keys(self, fresh: bool = False) -> Keys:
+        return self.cluster.keyring

@@ -1,4 +1,5 @@
-"""The extender's writes: node locks (compare-and-swap on resourceVersion), the pod watch label, the
+"""The extender's writes: node locks (compare-and-swap on resourceVersion; in the node's Lease, or its
+annotation for a daemon that reads no Lease), the pod watch label, the
 binding that carries the signed assignment, failing a pod stuck unadmitted, events."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from lightkube.types import PatchType
 
 from kxpu.kube.client import annotations_of, is_status, now, post_event, version_of
 from kxpu.logs import get_logger
+from kxpu.sharing.kube.lease import LeaseLocks
 from kxpu.sharing.lock import (
     ASSIGNED_POD_LABEL,
     HARD_EXPIRED,
@@ -39,6 +41,12 @@ class KubeSchedulerAPI:
         hard_expiry_s: float = 600.0,
         on_takeover: Callable[[str], None] = lambda why: None,
         cached: Callable[[str, str], tuple[str, str | None] | None] = lambda node, resource: None,
+        *,
+        node_lock: str = "annotation",
+        lock_namespace: str = "kxpu-system",
+        lease_node: Callable[[str], bool] = lambda node: True,
+        cached_lease: Callable[[str, str], tuple[str, str | None] | None] = lambda node, resource: None,
+        lease_cache_synced: Callable[[], bool] = lambda: False,
     ) -> None:
         self.client = client
         self.owner = owner
@@ -47,6 +55,16 @@ class KubeSchedulerAPI:
         self.on_takeover = on_takeover  # told why each stale lock was taken over (the extender counts them)
         # (resourceVersion, lock text) of a node as the node cache last saw it (ClusterState.lock_view)
         self.cached = cached
+        # "lease": lock in the node's Lease where its daemon reads Leases (lease_node), else the annotation
+        self.node_lock = node_lock
+        self.leases = LeaseLocks(client, lock_namespace, lock_ttl_s)
+        self.lease_node = lease_node
+        # (resourceVersion, lock text) of a lock Lease as the Lease cache last saw it (ClusterState.lease_view)
+        self.cached_lease = cached_lease
+        self.lease_cache_synced = lease_cache_synced  # whether cached_lease's None means "no such Lease"
+
+    def uses_lease(self, node: str) -> bool:
+        return self.node_lock == "lease" and self.lease_node(node)
 
     async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
         pod = await self.client.get(Pod, name, namespace=namespace)
@@ -64,7 +82,76 @@ class KubeSchedulerAPI:
         t = now()
         return NodeLock(pod.namespace, pod.name, pod.uid, self.owner, t, t + self.lock_ttl_s).encode()
 
+    async def _may_take(self, held: str, node: str, resource: str, pod: PodRef) -> bool:
+        """Whether the lock text ``held`` may be replaced by ``pod``'s (False: look again); LockBusy if held."""
+        try:
+            lock = NodeLock.decode(held)
+        except LockError as exc:
+            log.warning("replacing an unreadable node lock", node=node, error=str(exc))
+            return True
+        if lock.uid == pod.uid:
+            return True
+        why = holder_state(lock, await self._holder(lock), resource, node, now(), self.hard_expiry_s)
+        if why is None:
+            raise LockBusy(f"node {node} is locked for {resource} by pod {lock.pod} (until it is admitted)")
+        if why == HARD_EXPIRED and not await self._fail_unadmitted(lock, node, resource):
+            return False  # the holder changed meanwhile: look again
+        log.info("taking over a node lock", node=node, previous=lock.pod, because=why)
+        self.on_takeover(why)
+        return True
+
     async def acquire_lock(self, node: str, resource: str, pod: PodRef) -> None:
+        if self.uses_lease(node):
+            await self._acquire_lease(node, resource, pod)
+        else:
+            await self._acquire_annotation(node, resource, pod)
+
+    async def _acquire_lease(self, node: str, resource: str, pod: PodRef) -> None:
+        view = self.cached(node, resource)
+        if view is None or view[1] is not None:
+            # A lock taken in the node annotation (before the upgrade, or by an older replica) binds its
+            # pod until it is admitted, as it did: wait for it, or recover it and drop it.
+            await self._clear_annotation(node, resource, pod)
+        view = self.cached_lease(node, resource)
+        if view is None and self.lease_cache_synced():
+            # The Lease cache has never seen this node's lock Lease: its first lock creates it (one request;
+            # a 409 means another replica was first, and the long way below reads it).
+            if await self.leases.create(node, resource, self._new_lock(pod)):
+                return
+        elif (
+            view is not None
+            and view[1] is None
+            and await self.leases.cas(node, resource, view[0], self._new_lock(pod))
+        ):
+            return  # free as the cache last saw it: one compare-and-swap at that version, no read
+        for _ in range(_CAS_ATTEMPTS):
+            got = await self.leases.read(node, resource)
+            if got is None:
+                if await self.leases.create(node, resource, self._new_lock(pod)):
+                    return
+                continue
+            version, held = got
+            if held is not None and not await self._may_take(held, node, resource, pod):
+                continue
+            if await self.leases.cas(node, resource, version, self._new_lock(pod)):
+                return
+        raise LockBusy(f"node {node}: the lock kept changing under us")
+
+    async def _clear_annotation(self, node: str, resource: str, pod: PodRef) -> None:
+        """Remove the node's annotation lock for ``resource`` once it binds nobody; LockBusy while it does."""
+        key = lock_key(resource)
+        for _ in range(_CAS_ATTEMPTS):
+            obj = await self.client.get(Node, node)
+            held = annotations_of(obj).get(key)
+            if held is None:
+                return
+            if not await self._may_take(held, node, resource, pod):
+                continue
+            if await self._cas(node, version_of(obj), {key: None}):
+                return
+        raise LockBusy(f"node {node}: the lock kept changing under us")
+
+    async def _acquire_annotation(self, node: str, resource: str, pod: PodRef) -> None:
         key = lock_key(resource)
         view = self.cached(node, resource)
         # Free as the cache last saw it: one compare-and-swap at that version, no read. If the node
@@ -78,32 +165,19 @@ class KubeSchedulerAPI:
         for _ in range(_CAS_ATTEMPTS):
             obj = await self.client.get(Node, node)
             held = annotations_of(obj).get(key)
-            if held is not None:
-                try:
-                    lock = NodeLock.decode(held)
-                except LockError as exc:
-                    log.warning("replacing an unreadable node lock", node=node, error=str(exc))
-                else:
-                    if lock.uid != pod.uid:
-                        why = holder_state(
-                            lock, await self._holder(lock), resource, node, now(), self.hard_expiry_s
-                        )
-                        if why is None:
-                            raise LockBusy(
-                                f"node {node} is locked for {resource} by pod {lock.pod} (until it is admitted)"
-                            )
-                        if why == HARD_EXPIRED and not await self._fail_unadmitted(lock, node, resource):
-                            continue  # the holder changed meanwhile: look again
-                        log.info("taking over a node lock", node=node, previous=lock.pod, because=why)
-                        self.on_takeover(why)
+            if held is not None and not await self._may_take(held, node, resource, pod):
+                continue
             if await self._cas(node, version_of(obj), {key: self._new_lock(pod)}):
                 return
         raise LockBusy(f"node {node}: the lock kept changing under us")
 
     async def release_lock(self, node: str, resource: str, pod: PodRef) -> None:
-        await release(self.client, node, resource, pod.uid)
+        if self.uses_lease(node):
+            await self.leases.release(node, resource, pod.uid)
+        else:
+            await release(self.client, node, resource, pod.uid)
 
-    async def sweep_lock(self, node: str, resource: str, text: str) -> str | None:
+    async def sweep_lock(self, node: str, resource: str, text: str, in_lease: bool = False) -> str | None:
         """Recover one node lock that nobody asks for (acquire_lock recovers the ones a bind wants).
 
         ``text`` is the lock as the node cache last saw it. Returns why it was released, or None
@@ -126,7 +200,10 @@ class KubeSchedulerAPI:
             and not await self._fail_unadmitted(lock, node, resource)
         ):
             return None  # gone or replaced meanwhile: the next sweep sees that
-        await release(self.client, node, resource, lock.uid, text)
+        if in_lease:
+            await self.leases.release(node, resource, lock.uid, text)
+        else:
+            await release(self.client, node, resource, lock.uid, text)
         log.info("released a stale node lock", node=node, resource=resource, pod=lock.pod, because=why)
         self.on_takeover(why)
         return why

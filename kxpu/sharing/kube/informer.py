@@ -1,4 +1,4 @@
-"""Informer-style caches for the extender: list then watch nodes and pods, feeding ClusterState.
+"""Informer-style caches for the extender: list then watch nodes, pods and lock Leases, feeding ClusterState.
 
 Only nodes labelled ``kxpu.io/sharing`` (set by node daemons that publish an inventory) and
 pods labelled ``kxpu.io/assigned`` (set by the webhook at admission, or by the extender before
@@ -13,24 +13,31 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from lightkube import AsyncClient
+from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Node, Pod
 
 from kxpu.kube.client import annotations_of, name_of, uid_of, version_of
 from kxpu.logs import error_text, get_logger
 from kxpu.sharing import signing
 from kxpu.sharing.inventory import SHARING_NODE_LABEL
-from kxpu.sharing.lock import ASSIGNED_POD_LABEL
+from kxpu.sharing.lock import (
+    ASSIGNED_POD_LABEL,
+    LEASE_LABEL,
+    LEASE_NODE_ANNOTATION,
+    LEASE_RESOURCE_ANNOTATION,
+    lease_name,
+)
 from kxpu.sharing.model import Assignment
 from kxpu.sharing.state import ClusterState
 
 log = get_logger("kxpu.sharing.kube.informer")
 
 
-def live_assignment(pod: Any, keys: Sequence[bytes]) -> Assignment | None:
+def live_assignment(pod: Any, keys: signing.Keys) -> Assignment | None:
     meta = pod.metadata
     annotations = annotations_of(pod)
     if signing.ASSIGNMENT_ANNOTATION not in annotations:
@@ -79,12 +86,25 @@ def _list_version(listing: Any) -> str | None:
 
 
 class Informer:
-    def __init__(self, client: AsyncClient, state: ClusterState, keys: Callable[[], Sequence[bytes]]) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        state: ClusterState,
+        keys: Callable[[], signing.Keys],
+        lock_namespace: str | None = None,
+    ) -> None:
         self.client = client
         self.state = state
         self.keys = keys
+        self.lock_namespace = lock_namespace  # watch the lock Leases there (nodeLock: lease)
         self._synced = {"nodes": False, "pods": False}
+        if lock_namespace is not None:
+            self._synced["leases"] = False
         self.synced_event = asyncio.Event()
+
+    def synced(self, what: str) -> bool:
+        """Whether the cache of ``what`` (nodes, pods, leases) has been listed (and is watched since)."""
+        return self._synced.get(what, False)
 
     @property
     def ready(self) -> bool:
@@ -94,6 +114,8 @@ class Informer:
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._loop("nodes", self._sync_nodes))
             tasks.create_task(self._loop("pods", self._sync_pods))
+            if self.lock_namespace is not None:
+                tasks.create_task(self._loop("leases", self._sync_leases))
 
     async def _loop(self, what: str, sync: Callable[[], Any]) -> None:
         delay = 0.5
@@ -161,3 +183,38 @@ class Informer:
                 self.state.remove_pod(uid)
             else:
                 self.state.set_pod(uid, live_assignment(pod, self.keys()))
+
+    def _set_lease(self, lease: Any, deleted: bool = False) -> tuple[str, str] | None:
+        meta = lease.metadata
+        annotations = annotations_of(lease)
+        node, resource = annotations.get(LEASE_NODE_ANNOTATION), annotations.get(LEASE_RESOURCE_ANNOTATION)
+        if not node or not resource or resource not in self.state.resources:
+            return None
+        if meta is None or meta.name != lease_name(node, resource):
+            log.warning(
+                "ignoring a lock Lease whose name does not match its node", lease=name_of(lease), node=node
+            )
+            return None
+        if deleted:
+            self.state.set_lease(node, resource, None, None)
+        else:
+            holder = lease.spec.holderIdentity if lease.spec is not None else None
+            self.state.set_lease(node, resource, version_of(lease) or "", holder or None)
+        return node, resource
+
+    async def _sync_leases(self) -> None:
+        assert self.lock_namespace is not None
+        listing = self.client.list(Lease, namespace=self.lock_namespace, labels={LEASE_LABEL: "true"})
+        seen: set[tuple[str, str]] = set()
+        async for lease in listing:
+            key = self._set_lease(lease)
+            if key is not None:
+                seen.add(key)
+        for node, resource in self.state.lease_keys() - seen:
+            self.state.set_lease(node, resource, None, None)
+        self._mark("leases")
+        version = _list_version(listing)
+        async for event, lease in self.client.watch(
+            Lease, namespace=self.lock_namespace, labels={LEASE_LABEL: "true"}, resource_version=version
+        ):
+            self._set_lease(lease, deleted=event == "DELETED")

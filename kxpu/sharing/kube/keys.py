@@ -1,52 +1,85 @@
-"""The HMAC keys, from a Kubernetes Secret (read through the API) or a file (a mounted Secret).
+"""The signing keys, from Secrets or ConfigMaps (read through the API) or files (a mounted Secret).
 
-The Secret's field holds one key per line, the first signs (``signing.parse_keys``).
-Keys are re-read every ``refresh_s`` so a rotation (add the new key first, keep the old
-one second until no assignment signed with it can still be pending) needs no restart.
+Each source holds entries in the ``signing.parse_keyring`` format (Ed25519 PEM blocks, HMAC lines);
+the sources are read in order and joined, so the first entry that can sign, in the first source
+that has one, signs. Keys are re-read every ``refresh_s`` so a rotation (publish the new public key
+first, sign with the new key next, drop the old one once no assignment signed with it can still be
+pending: docs/sharing.md) needs no restart.
+
+The node side (``private_ok=False``) refuses a source holding a private key: nodes verify only.
+The extender publishes the public keys of its keyring (``publish_public_keys``) in a ConfigMap
+the nodes read, so the private key never leaves the extender's pod.
 """
 
 from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from lightkube import AsyncClient
-from lightkube.resources.core_v1 import Secret
+from lightkube import ApiError, AsyncClient
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import ConfigMap, Secret
 
+from kxpu.kube.client import is_status
 from kxpu.logs import get_logger
 from kxpu.sharing.config import KeySource
-from kxpu.sharing.signing import parse_keys
+from kxpu.sharing.signing import Keyring, parse_keyring
 
 log = get_logger("kxpu.sharing.kube.keys")
 
 
 class KeyStore:
-    def __init__(self, source: KeySource, client: Callable[[], AsyncClient], refresh_s: float = 60.0) -> None:
-        self.source = source
+    def __init__(
+        self,
+        source: KeySource | Sequence[KeySource],
+        client: Callable[[], AsyncClient],
+        refresh_s: float = 60.0,
+        *,
+        private_ok: bool = True,
+    ) -> None:
+        self.sources = [source] if isinstance(source, KeySource) else list(source)
         self._client = client
         self.refresh_s = refresh_s
-        self._keys: list[bytes] = []
+        self.private_ok = private_ok
+        self._keys = Keyring()
         self._loaded_at = 0.0
 
-    async def load(self) -> list[bytes]:
-        if self.source.file is not None:
-            text = self.source.file.read_bytes()
-        else:
-            namespace, name = self.source.secret_ref
-            secret = await self._client().get(Secret, name, namespace=namespace)
-            data = (secret.data or {}).get(self.source.field)
-            if data is None:
-                raise ValueError(f"secret {namespace}/{name} has no field {self.source.field!r}")
-            text = base64.b64decode(data)
-        keys = parse_keys(text)
-        if keys != self._keys:
-            log.info("signing keys loaded", keys=len(keys))
-        self._keys, self._loaded_at = keys, time.monotonic()
-        return keys
+    @property
+    def source(self) -> KeySource:
+        return self.sources[0]
 
-    async def get(self) -> list[bytes]:
-        if not self._keys or time.monotonic() - self._loaded_at > self.refresh_s:
+    async def _read(self, source: KeySource) -> bytes:
+        if source.file is not None:
+            return source.file.read_bytes()
+        if source.config_map is not None:
+            namespace, name = source.config_map_ref
+            cm = await self._client().get(ConfigMap, name, namespace=namespace)
+            text = (cm.data or {}).get(source.field)
+            if text is None:
+                raise ValueError(f"configmap {namespace}/{name} has no field {source.field!r}")
+            return str(text).encode()
+        namespace, name = source.secret_ref
+        secret = await self._client().get(Secret, name, namespace=namespace)
+        data = (secret.data or {}).get(source.field)
+        if data is None:
+            raise ValueError(f"secret {namespace}/{name} has no field {source.field!r}")
+        return base64.b64decode(data)
+
+    async def load(self) -> Keyring:
+        ring = Keyring()
+        for source in self.sources:
+            text = await self._read(source)
+            ring = ring + parse_keyring(text, private_ok=self.private_ok, where=source.describe())
+        if ring != self._keys:
+            log.info("signing keys loaded", keys=ring.describe())
+        self._keys, self._loaded_at = ring, time.monotonic()
+        return ring
+
+    async def get(self, fresh: bool = False) -> Keyring:
+        """The keys, read again when older than ``refresh_s`` (``fresh``: older than a second)."""
+        age = time.monotonic() - self._loaded_at
+        if not self._keys or age > self.refresh_s or (fresh and age > 1.0):
             try:
                 return await self.load()
             except Exception as exc:
@@ -55,8 +88,34 @@ class KeyStore:
                 log.warning("could not refresh the signing keys; using the last ones", error=str(exc))
         return self._keys
 
-    def current(self) -> list[bytes]:
+    def current(self) -> Keyring:
         """The last loaded keys (the extender refreshes them in the background)."""
         if not self._keys:
             raise RuntimeError("signing keys are not loaded yet")
         return self._keys
+
+
+async def publish_public_keys(client: AsyncClient, ref: str, ring: Keyring, field: str = "keys") -> bool:
+    """Write the keyring's Ed25519 public keys to ConfigMap ``ref`` (namespace/name) if they changed.
+
+    True if it wrote. Nothing secret is written: public PEM blocks only, never an HMAC key.
+    """
+    text = ring.public_pems()
+    if not text:
+        return False
+    namespace, _, name = ref.partition("/")
+    try:
+        current = await client.get(ConfigMap, name, namespace=namespace)
+    except ApiError as exc:
+        if not is_status(exc, 404):
+            raise
+        meta = ObjectMeta(name=name, namespace=namespace, labels={"app.kubernetes.io/component": "sharing"})
+        await client.create(ConfigMap(metadata=meta, data={field: text}))
+        log.info("published the public keys", configmap=ref, keys=ring.describe())
+        return True
+    if (current.data or {}).get(field) == text:
+        return False
+    current.data = {**(current.data or {}), field: text}
+    await client.replace(current)
+    log.info("published the public keys", configmap=ref, keys=ring.describe())
+    return True

@@ -61,13 +61,21 @@ The node configs as a list of {name, key, config}: "default" (from .Values.confi
 {{- $out = append $out (dict "name" $name "key" (printf "%s.yaml" $name) "config" (deepCopy (get $.Values.nodeConfigs $name))) }}
 {{- end }}
 {{- if .Values.sharing.enabled }}
-{{- /* Resources that share devices verify assignments with the release's signing key unless they name one. */}}
-{{- $key := dict "secret" (printf "%s/%s" .Release.Namespace (include "kxpu.sharing.keySecret" .)) "field" .Values.sharing.signingKey.field }}
+{{- /* Resources that share devices verify assignments with the release's keys unless they name some, and find
+the lock Leases in the release namespace. */}}
+{{- $keys := include "kxpu.sharing.nodeKeys" . | fromYamlArray }}
 {{- range $out }}
 {{- if kindIs "map" .config }}
 {{- range (get .config "resources" | default list) }}
-{{- if and (kindIs "map" .) (kindIs "map" (get . "sharing")) (not (hasKey (get . "sharing") "signingKey")) }}
-{{- $_ := set (get . "sharing") "signingKey" $key }}
+{{- if and (kindIs "map" .) (kindIs "map" (get . "sharing")) }}
+{{- $sharing := get . "sharing" }}
+{{- if not (hasKey $sharing "signingKey") }}
+{{- $_ := set $sharing "signingKey" (first $keys) }}
+{{- $_ := set $sharing "extraKeys" (rest $keys) }}
+{{- end }}
+{{- if not (hasKey $sharing "lockNamespace") }}
+{{- $_ := set $sharing "lockNamespace" $.Release.Namespace }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -91,6 +99,67 @@ The node configs as a list of {name, key, config}: "default" (from .Values.confi
 {{- /* Sharing: names of the control plane's objects. */}}
 {{- define "kxpu.sharing.keySecret" -}}
 {{- default (printf "%s-signing-key" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-") .Values.sharing.signingKey.secretName }}
+{{- end }}
+
+{{- define "kxpu.sharing.ed25519Secret" -}}
+{{- default (printf "%s-signing-ed25519" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-") .Values.sharing.signing.ed25519Key.secretName }}
+{{- end }}
+
+{{- define "kxpu.sharing.verifyKeys" -}}
+{{- printf "%s-verify-keys" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- /* The signing schemes named by sharing.signing.scheme, in order (the first signs). */}}
+{{- define "kxpu.sharing.schemes" -}}
+{{- $schemes := splitList "+" .Values.sharing.signing.scheme }}
+{{- range $schemes }}
+{{- if not (has . (list "ed25519" "hmac")) }}
+{{- fail (printf "sharing.signing.scheme: %q is not ed25519, hmac, hmac+ed25519 or ed25519+hmac" $.Values.sharing.signing.scheme) }}
+{{- end }}
+{{- end }}
+{{- if or (gt (len $schemes) 2) (ne (len $schemes) (len (uniq $schemes))) }}
+{{- fail (printf "sharing.signing.scheme: %q is not ed25519, hmac, hmac+ed25519 or ed25519+hmac" .Values.sharing.signing.scheme) }}
+{{- end }}
+{{- toYaml $schemes }}
+{{- end }}
+
+{{- /* The schemes the nodes accept: all named, less hmac once nodesAcceptHmac is false. */}}
+{{- define "kxpu.sharing.nodeSchemes" -}}
+{{- $out := list }}
+{{- range include "kxpu.sharing.schemes" . | fromYamlArray }}
+{{- if or (ne . "hmac") $.Values.sharing.signing.nodesAcceptHmac }}
+{{- $out = append $out . }}
+{{- end }}
+{{- end }}
+{{- if not $out }}
+{{- fail "sharing.signing.nodesAcceptHmac: false leaves the nodes no key to verify with (scheme hmac): switch to ed25519 first" }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{- /* Key sources of the node daemons (public keys and, while accepted, the HMAC Secret) and of the extender. */}}
+{{- define "kxpu.sharing.nodeKeys" -}}
+{{- $out := list }}
+{{- range include "kxpu.sharing.nodeSchemes" . | fromYamlArray }}
+{{- if eq . "hmac" }}
+{{- $out = append $out (dict "secret" (printf "%s/%s" $.Release.Namespace (include "kxpu.sharing.keySecret" $)) "field" $.Values.sharing.signingKey.field) }}
+{{- else }}
+{{- $out = append $out (dict "configMap" (printf "%s/%s" $.Release.Namespace (include "kxpu.sharing.verifyKeys" $)) "field" "keys") }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{- define "kxpu.sharing.extenderKeys" -}}
+{{- $out := list }}
+{{- range include "kxpu.sharing.schemes" . | fromYamlArray }}
+{{- if eq . "hmac" }}
+{{- $out = append $out (dict "secret" (printf "%s/%s" $.Release.Namespace (include "kxpu.sharing.keySecret" $)) "field" $.Values.sharing.signingKey.field) }}
+{{- else }}
+{{- $out = append $out (dict "file" (printf "/etc/kxpu-signing/%s" $.Values.sharing.signing.ed25519Key.field)) }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
 {{- end }}
 
 {{- define "kxpu.sharing.configMapName" -}}
