@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ from kxpu.sharing.inventory import SHARING_NODE_LABEL
 from kxpu.sharing.kube.api import release
 from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, allocated_key
 from kxpu.sharing.model import NodeInventory, SharedDevice
+from kxpu.timeouts import wait_event
 
 BENCH_LABEL = "kxpu-bench"
 DEVICES_PER_NODE = 4
@@ -65,41 +67,53 @@ DEVICE_MIB = 16000
 TARGET_PODS_PER_S = 50.0
 
 
-def node_inventory(name: str) -> str:
-    devices = tuple(
+def node_inventory(
+    name: str, devices: int = DEVICES_PER_NODE, memory_mib: int = DEVICE_MIB, split: int = SPLIT
+) -> str:
+    """The inventory annotation kxpu's node daemon would publish: ``devices`` of ``memory_mib``, ``split`` slots."""
+    shared = tuple(
         SharedDevice(
             id=f"{name}-npu-{i}",
             uuid=f"NPU-{name}-{i}",
             model="bench-npu",
-            memory_mib=DEVICE_MIB,
-            memory_capacity_mib=DEVICE_MIB,
+            memory_mib=memory_mib,
+            memory_capacity_mib=memory_mib,
             core_capacity=100,
-            split_count=SPLIT,
+            split_count=split,
             numa=0,
             healthy=True,
             index=i,
         )
-        for i in range(DEVICES_PER_NODE)
+        for i in range(devices)
     )
-    return inventory.encode(NodeInventory(RES, devices, time.time()))
+    return inventory.encode(NodeInventory(RES, shared, time.time()))
 
 
-async def create_node(client: AsyncClient, name: str) -> None:
+async def create_node(
+    client: AsyncClient,
+    name: str,
+    devices: int = DEVICES_PER_NODE,
+    memory_mib: int = DEVICE_MIB,
+    split: int = SPLIT,
+) -> None:
+    """An API-only Node as kxpu's node daemon leaves it: the sharing label, the inventory, the slots."""
     meta = ObjectMeta(
         name=name,
         labels={BENCH_LABEL: "true", SHARING_NODE_LABEL: "true"},
-        annotations={inventory.annotation_key(RES): node_inventory(name)},
+        annotations={inventory.annotation_key(RES): node_inventory(name, devices, memory_mib, split)},
     )
     await client.create(Node(metadata=meta))
-    slots = str(DEVICES_PER_NODE * SPLIT)
+    slots = str(devices * split)
     resources = {"cpu": "64", "memory": "256Gi", "pods": "250", RES: slots}
     status = {"status": {"capacity": resources, "allocatable": resources}}
     await client.patch(Node.Status, name, status, patch_type=PatchType.MERGE)
 
 
-def pod_manifest(name: str, baseline: bool = False) -> dict[str, Any]:
-    """A shared-device pod; with ``baseline``, a plain one (for the same kube-scheduler, which then skips the extender)."""
-    limits = {"cpu": "10m"} if baseline else {RES: "1", MEM: "1000", CORES: "10"}
+def pod_manifest(name: str, baseline: bool = False, limits: dict[str, str] | None = None) -> dict[str, Any]:
+    """A shared-device pod (one device, 1000 MiB and 10 % unless ``limits`` says otherwise); with ``baseline``,
+    a plain one (for the same kube-scheduler, which then skips the extender)."""
+    if limits is None:
+        limits = {"cpu": "10m"} if baseline else {RES: "1", MEM: "1000", CORES: "10"}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -147,40 +161,49 @@ async def delete_bench_objects(client: AsyncClient) -> None:
     await gather_limited(32, [client.delete(Node, str(n.metadata.name)) for n in nodes if n.metadata])
 
 
-async def measure(
-    client: AsyncClient, pods: int, concurrency: int, timeout: float, baseline: bool = False
+async def measure_binding(
+    client: AsyncClient,
+    names: list[str],
+    create: Callable[[str], Awaitable[None]],
+    *,
+    namespace: str,
+    labels: dict[str, Any],
+    concurrency: int,
+    timeout: float,
+    on_bound: Callable[[Pod], Coroutine[Any, Any, None]] | None = None,
 ) -> dict[str, float]:
+    """Create one pod per name (``create``, by ``concurrency`` clients) and time each until a watch on
+    ``namespace``/``labels`` sees it bound; ``on_bound`` runs for each bound pod (the node's side)."""
     created: dict[str, float] = {}
     bound: dict[str, float] = {}
+    wanted = set(names)
     done = asyncio.Event()
     node_side: set[asyncio.Task[None]] = set()
 
     async def watch() -> None:
-        async for _, pod in client.watch(Pod, namespace=NS, labels={BENCH_LABEL: "true"}):
+        async for _, pod in client.watch(Pod, namespace=namespace, labels=labels):
             name = str(pod.metadata.name) if pod.metadata else ""
-            if name in bound or pod.spec is None or not pod.spec.nodeName:
+            if name not in wanted or name in bound or pod.spec is None or not pod.spec.nodeName:
                 continue
             bound[name] = time.perf_counter()
-            if not baseline:  # no kxpu lock to release for a plain pod
-                task = asyncio.create_task(stand_in_node(client, pod))
+            if on_bound is not None:
+                task = asyncio.create_task(on_bound(pod))
                 node_side.add(task)
                 task.add_done_callback(node_side.discard)
-            if len(bound) == pods:
+            if len(bound) == len(wanted):
                 done.set()
 
-    async def create(name: str) -> None:
-        await client.create(codecs.from_dict(pod_manifest(name, baseline)))
+    async def one(name: str) -> None:
+        await create(name)
         created[name] = time.perf_counter()
 
     watcher = asyncio.create_task(watch())
     await asyncio.sleep(0.5)  # the watch is open before the first pod
     start = time.perf_counter()
-    await gather_limited(concurrency, [create(f"bench-{i:05d}") for i in range(pods)])
+    await gather_limited(concurrency, [one(n) for n in names])
     created_all = time.perf_counter()
-    try:
-        await asyncio.wait_for(done.wait(), timeout)
-    except TimeoutError:
-        print(f"timed out: {len(bound)}/{pods} bound after {timeout:.0f}s", file=sys.stderr)
+    if not await wait_event(done, timeout):
+        print(f"timed out: {len(bound)}/{len(names)} bound after {timeout:.0f}s", file=sys.stderr)
     end = max(bound.values(), default=time.perf_counter())
     watcher.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -188,7 +211,7 @@ async def measure(
     await asyncio.gather(*node_side, return_exceptions=True)
     latencies = [(bound[n] - created[n]) * 1000 for n in bound if n in created]
     return {
-        "pods": pods,
+        "pods": len(names),
         "bound": len(bound),
         "create_s": round(created_all - start, 2),
         "total_s": round(end - start, 2),
@@ -196,6 +219,27 @@ async def measure(
         "bind_p50_ms": round(percentile(latencies, 50), 1) if latencies else float("nan"),
         "bind_p99_ms": round(percentile(latencies, 99), 1) if latencies else float("nan"),
     }
+
+
+async def measure(
+    client: AsyncClient, pods: int, concurrency: int, timeout: float, baseline: bool = False
+) -> dict[str, float]:
+    async def create(name: str) -> None:
+        await client.create(codecs.from_dict(pod_manifest(name, baseline)))
+
+    async def node_side(pod: Pod) -> None:
+        await stand_in_node(client, pod)
+
+    return await measure_binding(
+        client,
+        [f"bench-{i:05d}" for i in range(pods)],
+        create,
+        namespace=NS,
+        labels={BENCH_LABEL: "true"},
+        concurrency=concurrency,
+        timeout=timeout,
+        on_bound=None if baseline else node_side,  # no kxpu lock to release for a plain pod
+    )
 
 
 def extender_request_seconds() -> dict[str, tuple[float, float]]:
