@@ -82,6 +82,7 @@ from kxpu.dra.kube import DraKube
 from kxpu.dra.publisher import SlicePublisher
 from kxpu.dra.quantity import as_mib, parse_quantity
 from kxpu.dra.slices import SharePolicy
+from kxpu.logs import configure_logging
 from kxpu.model import Device
 from kxpu.sharing import inventory, signing
 
@@ -349,10 +350,10 @@ async def clean(client: AsyncClient) -> None:
     """Everything of an earlier or this run: pods, claims, slices, the DeviceClass, the nodes."""
     await delete_dra_objects(client)
     await delete_bench_objects(client)  # the extender's pods and every bench node
+    # a node's slices go with it where a controller-manager collects garbage; else here
+    kube = DraKube(DRIVER, client)
     slices = [s async for s in client.list(ResourceSlice, fields={"spec.driver": DRIVER})]
-    await gather_limited(
-        16, [client.delete(ResourceSlice, str(s.metadata.name)) for s in slices if s.metadata]
-    )
+    await gather_limited(16, [kube.delete_slice(str(s.metadata.name)) for s in slices if s.metadata])
     with contextlib.suppress(ApiError):
         await client.delete(DeviceClass, DRIVER)
 
@@ -585,6 +586,7 @@ def main() -> int:
     parser.add_argument("--control-plane-only", action="store_true", help="the harness's node-less cluster")
     parser.add_argument("--out", type=Path, help="also write the report here as JSON")
     args = parser.parse_args()
+    configure_logging("warning", "text")  # not kxpu's publisher's line per node
     unknown = [p for p in args.paths.split(",") if p not in PATHS]
     if unknown:
         parser.error(f"--paths: unknown {', '.join(unknown)} (known: {', '.join(PATHS)})")
