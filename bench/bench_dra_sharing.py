@@ -23,9 +23,11 @@ counted when a watch sees them bound; each path's pods (and claims) are deleted 
 - ``dra``: each pod with its own ResourceClaim asking ``capacity.requests`` (created just before the pod by the
   same client: what a claim template has the controller-manager do, without its 20 QPS cap), scheduled by a
   stock kube-scheduler with its default profile;
-- ``dra-mostallocated``: the same through a second profile of that kube-scheduler whose NodeResourcesFit
-  scores MostAllocated, the stock scheduler's own knob for packing nodes (1.37's DRA plugin scores only
-  ``firstAvailable`` choices, not free capacity; within a node its allocator takes the first device that fits).
+- ``extender-mostallocated``, ``dra-mostallocated``: the same with NodeResourcesFit scoring MostAllocated in
+  the kube-scheduler's profile, the stock scheduler's own knob for packing nodes (its default, LeastAllocated,
+  spreads pods by their CPU and memory requests, against the extender's binpack score; 1.37's DRA plugin scores
+  only ``firstAvailable`` choices, not free capacity, and within a node its allocator takes the first device
+  that fits).
 
 Both kube-schedulers have the same client QPS (500), back-off (1-2 s) and otherwise default settings (e.g. at
 500 nodes each pod's filter stops after the first ~230 feasible nodes). Reported per path: pods bound per second
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -105,8 +108,11 @@ SPLIT = 32
 # accelerator pod does, and what NodeResourcesFit's scores see (a pod without requests is 0.1 CPU to them, too
 # little for an integer score to tell a node with a few pods from an empty one).
 POD_REQUESTS = {"cpu": "1", "memory": "4Gi"}
-PATHS = ("extender", "dra", "dra-mostallocated")
+PATHS = ("extender", "extender-mostallocated", "dra", "dra-mostallocated")
+PREFIX = {"extender": "ext", "extender-mostallocated": "extma", "dra": "dra", "dra-mostallocated": "drama"}
 PROFILE = {"dra": DRA_SCHEDULER, "dra-mostallocated": DRA_PACKED}
+# kube-scheduler's own knob for packing nodes (its default, LeastAllocated, spreads pods by their requests)
+MOST_ALLOCATED = [{"name": "NodeResourcesFit", "args": {"scoringStrategy": {"type": "MostAllocated"}}}]
 
 
 class BenchError(RuntimeError):
@@ -437,9 +443,9 @@ async def run_path(
     pids: dict[str, int],
     key: bytes,
 ) -> dict[str, Any]:
-    names = [f"{path.replace('-', '')[:8]}-{i:05d}" for i in range(len(shares))]
+    names = [f"{PREFIX[path]}-{i:05d}" for i in range(len(shares))]
     asked = dict(zip(names, shares, strict=True))
-    if path == "extender":
+    if path.startswith("extender"):
 
         async def create(name: str) -> None:
             await client.create(codecs.from_dict(extender_pod(name, asked[name])))
@@ -472,7 +478,8 @@ async def run_path(
     result["cpu_ms_per_pod"] = {
         k: round(1000 * (cpu_seconds(p) - cpu[k]) / len(shares), 1) for k, p in pids.items()
     }
-    usage = await (extender_usage(client, key, asked) if path == "extender" else dra_usage(client, asked))
+    extender = path.startswith("extender")
+    usage = await (extender_usage(client, key, asked) if extender else dra_usage(client, asked))
     usage.check(path)
     result.update(usage.packing(shares))
     if sum(usage.shares.values()) != result["bound"]:
@@ -507,22 +514,20 @@ async def run(args: argparse.Namespace, cluster: Cluster, sharing: Sharing, work
                 pids[name] = proc.pid
         results = []
         for path in paths:
-            if path != "extender" and scheduler is None:
+            if path.startswith("extender"):
+                profile = {"pluginConfig": MOST_ALLOCATED} if path == "extender-mostallocated" else {}
+                if profile != sharing.scheduler_profile:
+                    await asyncio.to_thread(functools.partial(sharing.restart_scheduler, **profile))
+                    assert sharing.scheduler.proc is not None
+                    pids["kube_scheduler_extender"] = sharing.scheduler.proc.pid
+            elif scheduler is None:
                 (work / "dra").mkdir(exist_ok=True)
                 scheduler = start_scheduler(
                     cluster,
                     work / "dra",
                     profiles=[
                         {"schedulerName": DRA_SCHEDULER},
-                        {
-                            "schedulerName": DRA_PACKED,
-                            "pluginConfig": [
-                                {
-                                    "name": "NodeResourcesFit",
-                                    "args": {"scoringStrategy": {"type": "MostAllocated"}},
-                                }
-                            ],
-                        },
+                        {"schedulerName": DRA_PACKED, "pluginConfig": MOST_ALLOCATED},
                     ],
                     port=DRA_SCHEDULER_PORT,
                     podInitialBackoffSeconds=1,  # as the extender path's kube-scheduler
@@ -542,7 +547,7 @@ async def run(args: argparse.Namespace, cluster: Cluster, sharing: Sharing, work
                 f"{result['devices_used']} devices (FFD {result['ffd_devices']})",
                 file=sys.stderr,
             )
-            if path == "extender":
+            if path.startswith("extender"):
                 await delete_extender_pods(client)
             else:
                 await delete_dra_objects(client)
