@@ -453,10 +453,10 @@ async def run(args: argparse.Namespace, cluster: Cluster, work: Path) -> dict[st
     finally:
         with contextlib.suppress(Exception):
             await delete_labelled(client)
+        # a node's slices go with it where a controller-manager collects garbage (delete_slice ignores 404)
+        kube = DraKube(BENCH_DRIVER, client)
         slices = [s async for s in client.list(ResourceSlice, fields={"spec.driver": BENCH_DRIVER})]
-        await gather_limited(
-            16, [client.delete(ResourceSlice, str(s.metadata.name)) for s in slices if s.metadata]
-        )
+        await gather_limited(16, [kube.delete_slice(str(s.metadata.name)) for s in slices if s.metadata])
         await client.close()
 
 
