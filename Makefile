@@ -48,6 +48,12 @@ bench: dev
 	$(BIN)/python bench/bench_nvidia.py
 	$(BIN)/python bench/bench_telemetry.py
 	$(BIN)/python bench/bench_amd.py
+ifeq ($(ROOT),0)
+	hack/cluster/build.sh k8s
+	$(BIN)/python bench/bench_dra_sharing.py --control-plane-only
+else
+	@echo "bench/bench_dra_sharing.py skipped: it needs root (the e2e cluster's control plane)"
+endif
 
 ## Regenerate kxpu/api from its .proto files (committed; `lint` checks they are current).
 proto: dev

@@ -251,13 +251,22 @@ async def health_latency(client: AsyncClient, driver: Driver, flips: int) -> dic
 
 
 # -- 3: scheduling throughput --------------------------------------------------------------------------------
-def start_scheduler(cluster: Cluster, work: Path) -> subprocess.Popen[bytes]:
+def start_scheduler(
+    cluster: Cluster,
+    work: Path,
+    profiles: list[dict[str, Any]] | None = None,
+    port: int = SCHEDULER_PORT,
+    **settings: Any,
+) -> subprocess.Popen[bytes]:
+    """A kube-scheduler of its own (client QPS 500), with ``profiles`` (default: one, ``SCHEDULER``) and other
+    top-level ``settings`` of its KubeSchedulerConfiguration."""
     config = {
         "apiVersion": "kubescheduler.config.k8s.io/v1",
         "kind": "KubeSchedulerConfiguration",
         "clientConnection": {"kubeconfig": str(cluster.kubeconfig), "qps": 500, "burst": 1000},
         "leaderElection": {"leaderElect": False},
-        "profiles": [{"schedulerName": SCHEDULER}],
+        "profiles": profiles or [{"schedulerName": SCHEDULER}],
+        **settings,
     }
     path = work / "kube-scheduler.yaml"
     path.write_text(json.dumps(config))
@@ -268,7 +277,7 @@ def start_scheduler(cluster: Cluster, work: Path) -> subprocess.Popen[bytes]:
             "--config",
             str(path),
             "--secure-port",
-            str(SCHEDULER_PORT),
+            str(port),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -444,10 +453,10 @@ async def run(args: argparse.Namespace, cluster: Cluster, work: Path) -> dict[st
     finally:
         with contextlib.suppress(Exception):
             await delete_labelled(client)
+        # a node's slices go with it where a controller-manager collects garbage (delete_slice ignores 404)
+        kube = DraKube(BENCH_DRIVER, client)
         slices = [s async for s in client.list(ResourceSlice, fields={"spec.driver": BENCH_DRIVER})]
-        await gather_limited(
-            16, [client.delete(ResourceSlice, str(s.metadata.name)) for s in slices if s.metadata]
-        )
+        await gather_limited(16, [kube.delete_slice(str(s.metadata.name)) for s in slices if s.metadata])
         await client.close()
 
 

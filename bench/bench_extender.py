@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import random
 import time
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from measure import percentile
+from packing import first_fit_decreasing, lower_bound
 
 from kxpu.logs import configure_logging
 from kxpu.sharing.extender import make_app, tune_gc
@@ -159,24 +159,14 @@ def packing(pods: int, nodes: int, seed: int) -> dict[str, float]:
         node = state.node(name)
         assert node is not None
         used += sum(1 for s in node.families["nvidia.com/gpu"] if s.slots)
-    # FFD over the same pods, memory and cores both respected, devices unbounded
-    bins: list[list[int]] = []
-    for memory, cores in sorted(sizes, key=lambda s: (-s[0], -s[1])):
-        for b in bins:
-            if b[0] + memory <= DEVICE_MIB and b[1] + cores <= 100:
-                b[0] += memory
-                b[1] += cores
-                break
-        else:
-            bins.append([memory, cores])
-    lower = max(math.ceil(sum(m for m, _ in sizes) / DEVICE_MIB), math.ceil(sum(c for _, c in sizes) / 100))
+    ffd = first_fit_decreasing(sizes, DEVICE_MIB)  # memory and cores both respected, devices unbounded
     return {
         "pods": pods,
         "placed": placed,
         "binpack_devices": used,
-        "ffd_devices": len(bins),
-        "lower_bound_devices": lower,
-        "binpack_over_ffd": round(used / len(bins), 3),
+        "ffd_devices": ffd,
+        "lower_bound_devices": lower_bound(sizes, DEVICE_MIB),
+        "binpack_over_ffd": round(used / ffd, 3),
     }
 
 

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ from kxpu.sharing.kube.api import release
 from kxpu.sharing.kube.lease import LeaseLocks
 from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, LOCK_PROTOCOL_ANNOTATION, allocated_key, lock_key
 from kxpu.sharing.model import NodeInventory, SharedDevice
+from kxpu.timeouts import wait_event
 
 BENCH_LABEL = "kxpu-bench"
 DEVICES_PER_NODE = 4
@@ -73,42 +75,57 @@ DEVICE_MIB = 16000
 TARGET_PODS_PER_S = 50.0
 
 
-def node_inventory(name: str) -> str:
-    devices = tuple(
+def node_inventory(
+    name: str, devices: int = DEVICES_PER_NODE, memory_mib: int = DEVICE_MIB, split: int = SPLIT
+) -> str:
+    """The inventory annotation kxpu's node daemon would publish: ``devices`` of ``memory_mib``, ``split`` slots."""
+    shared = tuple(
         SharedDevice(
             id=f"{name}-npu-{i}",
             uuid=f"NPU-{name}-{i}",
             model="bench-npu",
-            memory_mib=DEVICE_MIB,
-            memory_capacity_mib=DEVICE_MIB,
+            memory_mib=memory_mib,
+            memory_capacity_mib=memory_mib,
             core_capacity=100,
-            split_count=SPLIT,
+            split_count=split,
             numa=0,
             healthy=True,
             index=i,
         )
-        for i in range(DEVICES_PER_NODE)
+        for i in range(devices)
     )
-    return inventory.encode(NodeInventory(RES, devices, time.time()))
+    return inventory.encode(NodeInventory(RES, shared, time.time()))
 
 
-async def create_node(client: AsyncClient, name: str) -> None:
+async def create_node(
+    client: AsyncClient,
+    name: str,
+    devices: int = DEVICES_PER_NODE,
+    memory_mib: int = DEVICE_MIB,
+    split: int = SPLIT,
+) -> None:
+    """An API-only Node as kxpu's node daemon leaves it: the sharing label, the inventory, the slots."""
     meta = ObjectMeta(
         name=name,
         labels={BENCH_LABEL: "true", SHARING_NODE_LABEL: "true"},
         # as a daemon of this release announces: it reads lock Leases
-        annotations={inventory.annotation_key(RES): node_inventory(name), LOCK_PROTOCOL_ANNOTATION: "lease"},
+        annotations={
+            inventory.annotation_key(RES): node_inventory(name, devices, memory_mib, split),
+            LOCK_PROTOCOL_ANNOTATION: "lease",
+        },
     )
     await client.create(Node(metadata=meta))
-    slots = str(DEVICES_PER_NODE * SPLIT)
+    slots = str(devices * split)
     resources = {"cpu": "64", "memory": "256Gi", "pods": "250", RES: slots}
     status = {"status": {"capacity": resources, "allocatable": resources}}
     await client.patch(Node.Status, name, status, patch_type=PatchType.MERGE)
 
 
-def pod_manifest(name: str, baseline: bool = False) -> dict[str, Any]:
-    """A shared-device pod; with ``baseline``, a plain one (for the same kube-scheduler, which then skips the extender)."""
-    limits = {"cpu": "10m"} if baseline else {RES: "1", MEM: "1000", CORES: "10"}
+def pod_manifest(name: str, baseline: bool = False, limits: dict[str, str] | None = None) -> dict[str, Any]:
+    """A shared-device pod (one device, 1000 MiB and 10 % unless ``limits`` says otherwise); with ``baseline``,
+    a plain one (for the same kube-scheduler, which then skips the extender)."""
+    if limits is None:
+        limits = {"cpu": "10m"} if baseline else {RES: "1", MEM: "1000", CORES: "10"}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -132,7 +149,7 @@ async def gather_limited(limit: int, coros: list[Any]) -> None:
     await asyncio.gather(*(one(c) for c in coros))
 
 
-async def stand_in_node(client: AsyncClient, pod: Pod, lease: bool) -> None:
+async def stand_in_node(client: AsyncClient, pod: Pod, lease: bool = True) -> None:
     """What the node daemon does once a pod's last container is allocated: mark it, release the lock (read at
     Allocate, then released with one JSON patch naming it)."""
     meta = pod.metadata
@@ -190,34 +207,41 @@ async def count_events(client: AsyncClient, kind: Any, counts: dict[str, int], k
         counts[key] = counts.get(key, 0) + 1
 
 
-async def measure(
+async def measure_binding(
     client: AsyncClient,
-    pods: int,
+    names: list[str],
+    create: Callable[[str], Awaitable[None]],
+    *,
+    namespace: str,
+    labels: dict[str, Any],
     concurrency: int,
     timeout: float,
-    baseline: bool = False,
-    lease: bool = True,
+    on_bound: Callable[[Pod], Coroutine[Any, Any, None]] | None = None,
+    lock_namespace: str = NS,
 ) -> dict[str, float]:
+    """Create one pod per name (``create``, by ``concurrency`` clients) and time each until a watch on
+    ``namespace``/``labels`` sees it bound; ``on_bound`` runs for each bound pod (the node's side)."""
     created: dict[str, float] = {}
     bound: dict[str, float] = {}
+    wanted = set(names)
     done = asyncio.Event()
     node_side: set[asyncio.Task[None]] = set()
 
     async def watch() -> None:
-        async for _, pod in client.watch(Pod, namespace=NS, labels={BENCH_LABEL: "true"}):
+        async for _, pod in client.watch(Pod, namespace=namespace, labels=labels):
             name = str(pod.metadata.name) if pod.metadata else ""
-            if name in bound or pod.spec is None or not pod.spec.nodeName:
+            if name not in wanted or name in bound or pod.spec is None or not pod.spec.nodeName:
                 continue
             bound[name] = time.perf_counter()
-            if not baseline:  # no kxpu lock to release for a plain pod
-                task = asyncio.create_task(stand_in_node(client, pod, lease))
+            if on_bound is not None:
+                task = asyncio.create_task(on_bound(pod))
                 node_side.add(task)
                 task.add_done_callback(node_side.discard)
-            if len(bound) == pods:
+            if len(bound) == len(wanted):
                 done.set()
 
-    async def create(name: str) -> None:
-        await client.create(codecs.from_dict(pod_manifest(name, baseline)))
+    async def one(name: str) -> None:
+        await create(name)
         created[name] = time.perf_counter()
 
     watcher = asyncio.create_task(watch())
@@ -225,17 +249,15 @@ async def measure(
     # a watcher of every Node (what each CNI agent, kube-proxy, ... is) and of the lock Leases (the extender)
     counters = [
         asyncio.create_task(count_events(client, Node, events, "node")),
-        asyncio.create_task(count_events(client, Lease, events, "lease", namespace=NS)),
+        asyncio.create_task(count_events(client, Lease, events, "lease", namespace=lock_namespace)),
     ]
     await asyncio.sleep(0.5)  # the watches are open before the first pod
     writes_before = await api_writes(client)
     start = time.perf_counter()
-    await gather_limited(concurrency, [create(f"bench-{i:05d}") for i in range(pods)])
+    await gather_limited(concurrency, [one(n) for n in names])
     created_all = time.perf_counter()
-    try:
-        await asyncio.wait_for(done.wait(), timeout)
-    except TimeoutError:
-        print(f"timed out: {len(bound)}/{pods} bound after {timeout:.0f}s", file=sys.stderr)
+    if not await wait_event(done, timeout):
+        print(f"timed out: {len(bound)}/{len(names)} bound after {timeout:.0f}s", file=sys.stderr)
     end = max(bound.values(), default=time.perf_counter())
     watcher.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -257,7 +279,7 @@ async def measure(
     per_pod["lease_watch_events_per_pod"] = round(events.get("lease", 0) / n, 2)
     latencies = [(bound[n] - created[n]) * 1000 for n in bound if n in created]
     return {
-        "pods": pods,
+        "pods": len(names),
         "bound": len(bound),
         "create_s": round(created_all - start, 2),
         "total_s": round(end - start, 2),
@@ -266,6 +288,32 @@ async def measure(
         "bind_p99_ms": round(percentile(latencies, 99), 1) if latencies else float("nan"),
         **per_pod,
     }
+
+
+async def measure(
+    client: AsyncClient,
+    pods: int,
+    concurrency: int,
+    timeout: float,
+    baseline: bool = False,
+    lease: bool = True,
+) -> dict[str, float]:
+    async def create(name: str) -> None:
+        await client.create(codecs.from_dict(pod_manifest(name, baseline)))
+
+    async def node_side(pod: Pod) -> None:
+        await stand_in_node(client, pod, lease)
+
+    return await measure_binding(
+        client,
+        [f"bench-{i:05d}" for i in range(pods)],
+        create,
+        namespace=NS,
+        labels={BENCH_LABEL: "true"},
+        concurrency=concurrency,
+        timeout=timeout,
+        on_bound=None if baseline else node_side,  # no kxpu lock to release for a plain pod
+    )
 
 
 def extender_request_seconds() -> dict[str, tuple[float, float]]:

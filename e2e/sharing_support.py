@@ -218,6 +218,7 @@ class Sharing:
         self.api_only = False  # start(node=False) sets it
         self.ca_pem = b""  # the webhook's CA, made by start() when it runs the webhook
         kx = kxpu_command()
+        self.scheduler_profile: dict[str, Any] = {}  # more of the kube-scheduler profile (restart_scheduler)
         self._write_configs()
         extender_metrics: list[str] = []
         webhook_metrics: list[str] = []
@@ -369,7 +370,7 @@ class Sharing:
             # quick retries: a bind refused while the extender restarts or the node is locked comes back soon
             "podInitialBackoffSeconds": 1,
             "podMaxBackoffSeconds": 2,
-            "profiles": [{"schedulerName": SCHEDULER}],
+            "profiles": [{"schedulerName": SCHEDULER, **self.scheduler_profile}],
             "extenders": [
                 {
                     "urlPrefix": f"http://127.0.0.1:{EXTENDER_PORT}",
@@ -492,6 +493,21 @@ class Sharing:
         except Exception:
             held = ""
         return held or self.node_annotations().get(lock_key(RES), "")
+
+    def restart_scheduler(self, **profile: Any) -> None:
+        """The second kube-scheduler again, its profile with ``profile`` added (e.g. ``pluginConfig``: the
+        benchmark's NodeResourcesFit scoring); waits for its /readyz (informers synced)."""
+        self.scheduler_profile = profile
+        self._write_configs()
+        self.scheduler.stop()
+        self.scheduler.start()
+        insecure = ssl.create_default_context()
+        insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+        kube.wait_until(
+            "second kube-scheduler /readyz",
+            lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/readyz", insecure),
+            60,
+        )
 
     def _kubectl_delete_namespace(self, ns: str, check: bool = True) -> None:
         """Delete a namespace and wait until it is gone (its pods stopped by the kubelet)."""
