@@ -484,7 +484,17 @@ def test_control_plane_and_scheduler_config(sharing: Rendered) -> None:
     ]
     config = yaml.safe_load(cm["data"]["scheduler-config.yaml"])
     assert config["kind"] == "KubeSchedulerConfiguration"
-    assert config["profiles"] == [{"schedulerName": "kxpu-scheduler"}]
+    most_allocated = {
+        "type": "MostAllocated",
+        "resources": [{"name": "cpu", "weight": 1}, {"name": "memory", "weight": 1}],
+    }
+    assert config["profiles"] == [
+        {
+            "schedulerName": "kxpu-scheduler",
+            # binpack: kube-scheduler's node score packs too (its LeastAllocated default would pull pods apart)
+            "pluginConfig": [{"name": "NodeResourcesFit", "args": {"scoringStrategy": most_allocated}}],
+        }
+    ]
     assert config["leaderElection"] == {
         "leaderElect": True,
         "resourceName": "kxpu-scheduler",
@@ -767,6 +777,12 @@ def test_the_upgrade_from_hmac_keys_step_by_step(
 )
 def test_bad_signing_values_are_refused(helm: Path, args: list[str], message: str) -> None:
     assert message in template_error(helm, "-f", str(SHARING_VALUES), *args)
+
+
+def test_spread_keeps_kube_schedulers_own_scoring(helm: Path) -> None:
+    rendered = template(helm, "-f", str(SHARING_VALUES), "--set", "sharing.nodePolicy=spread")
+    config = yaml.safe_load(rendered.one("ConfigMap", "kxpu-sharing")["data"]["scheduler-config.yaml"])
+    assert config["profiles"] == [{"schedulerName": "kxpu-scheduler"}]
 
 
 def test_two_scheduler_replicas_elect_a_leader(helm: Path) -> None:
