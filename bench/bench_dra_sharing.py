@@ -216,7 +216,7 @@ class Usage:
         }
 
 
-async def extender_usage(client: AsyncClient, key: bytes, asked: dict[str, Share]) -> Usage:
+async def extender_usage(client: AsyncClient, keys: signing.Keys, asked: dict[str, Share]) -> Usage:
     """From the nodes' inventories and the pods' signed assignments (verified as the node verifies them)."""
     usage = Usage.empty()
     async for node in client.list(Node, labels={BENCH_LABEL: "true"}):
@@ -241,7 +241,7 @@ async def extender_usage(client: AsyncClient, key: bytes, asked: dict[str, Share
             assignment = signing.verify(
                 annotations.get(signing.ASSIGNMENT_ANNOTATION),
                 annotations.get(signing.SIGNATURE_ANNOTATION),
-                [key],
+                keys,
                 pod_uid=str(meta.uid),
                 namespace=NS,
                 name=name,
@@ -441,7 +441,7 @@ async def run_path(
     shares: list[Share],
     args: argparse.Namespace,
     pids: dict[str, int],
-    key: bytes,
+    keys: signing.Keys,
 ) -> dict[str, Any]:
     names = [f"{PREFIX[path]}-{i:05d}" for i in range(len(shares))]
     asked = dict(zip(names, shares, strict=True))
@@ -479,7 +479,7 @@ async def run_path(
         k: round(1000 * (cpu_seconds(p) - cpu[k]) / len(shares), 1) for k, p in pids.items()
     }
     extender = path.startswith("extender")
-    usage = await (extender_usage(client, key, asked) if extender else dra_usage(client, asked))
+    usage = await (extender_usage(client, keys, asked) if extender else dra_usage(client, asked))
     usage.check(path)
     result.update(usage.packing(shares))
     if sum(usage.shares.values()) != result["bound"]:
@@ -540,7 +540,7 @@ async def run(args: argparse.Namespace, cluster: Cluster, sharing: Sharing, work
                     60,
                 )
             print(f"{path}: {len(shares)} pods on {args.nodes} nodes", file=sys.stderr)
-            result = await run_path(client, path, shares, args, pids, sharing.key)
+            result = await run_path(client, path, shares, args, pids, sharing.verify_keys())
             results.append(result)
             print(
                 f"{path}: {result['bound']}/{result['pods']} bound, {result['pods_per_s']} pods/s, "
