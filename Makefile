@@ -30,7 +30,7 @@ lint: dev
 unit: dev
 	$(BIN)/pytest tests -q
 
-## The main job on simulated devices. As root: kxpu on the real single-node cluster (built once, ~10 min);
+## The main job on simulated devices. As root: kxpu on the real single-node cluster (built once, ~15 min);
 ## otherwise, and with `make demo-standin`: the node daemon against the kubelet stand-in (seconds, no root).
 demo: dev
 ifeq ($(ROOT),0)
@@ -60,7 +60,7 @@ proto: dev
 	$(BIN)/python hack/genproto.py
 
 ## The real single-node cluster (kubelet, API server, scheduler, controller-manager, etcd, containerd),
-## built from upstream Go modules into /var/cache/kxpu once (~10 min), then the e2e scenarios. Root only.
+## built from upstream Go modules into /var/cache/kxpu once (~15 min: containerd, Kubernetes 1.37 and 1.34), then the e2e scenarios. Root only.
 cluster-build:
 	hack/cluster/build.sh all
 	KXPU_K8S_RELEASE=$(OLDEST_K8S) hack/cluster/build.sh k8s
