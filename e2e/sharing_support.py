@@ -26,11 +26,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from lightkube import ApiError, Client, KubeConfig, codecs
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.admissionregistration_v1 import (
@@ -453,13 +454,7 @@ class Sharing:
         else:
             self._register_webhooks_api_only()
         kube.wait_until("extender /readyz", lambda: _http_ok(f"http://127.0.0.1:{EXTENDER_PORT}/readyz"), 60)
-        insecure = ssl.create_default_context()
-        insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
-        kube.wait_until(
-            "second kube-scheduler /healthz",
-            lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz", insecure),
-            60,
-        )
+        self._wait_scheduler("healthz")
         probe = self.pod("webhook-probe", {self.family.get("memory") or MEM: 100})
         kube.wait_until("the webhook admitting a dry-run pod", lambda: self._dry_run(probe), 60)
 
@@ -501,13 +496,25 @@ class Sharing:
         self._write_configs()
         self.scheduler.stop()
         self.scheduler.start()
+        self._wait_scheduler("readyz")
+
+    def _wait_scheduler(self, probe: str) -> None:
+        """The second kube-scheduler's ``/healthz`` (serving) or ``/readyz`` (informers synced)."""
         insecure = ssl.create_default_context()
         insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
         kube.wait_until(
-            "second kube-scheduler /readyz",
-            lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/readyz", insecure),
+            f"second kube-scheduler /{probe}",
+            lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/{probe}", insecure),
             60,
         )
+
+    def reset(self) -> None:
+        """Before a scenario: restart what an earlier failed scenario left stopped, wait for the node."""
+        for proc in self.procs:
+            if proc.proc is None or proc.proc.poll() is not None:
+                proc.stop()
+                proc.start()
+        self.wait_node_ready()
 
     def _kubectl_delete_namespace(self, ns: str, check: bool = True) -> None:
         """Delete a namespace and wait until it is gone (its pods stopped by the kubelet)."""
@@ -771,3 +778,20 @@ def events(cluster: Cluster, name: str, namespace: str = NS, reason: str | None 
         for e in kube.events_for(cluster, name, namespace)
         if reason is None or e.get("reason") == reason
     ]
+
+
+@contextlib.contextmanager
+def running_chain(cluster: Cluster, work: Path, **options: Any) -> Iterator[Sharing]:
+    """A started chain for a test module, stopped at the end; one that does not come up fails the module
+    with the tails of its processes' logs."""
+    sharing = Sharing(cluster, work, **options)
+    try:
+        sharing.start()
+    except BaseException:
+        logs = "\n".join(f"--- {n} ---\n{tail_file(p, 40)}" for n, p in sharing.logs.items())
+        sharing.close()
+        pytest.fail(f"the sharing chain did not come up:\n{logs}", pytrace=False)
+    try:
+        yield sharing
+    finally:
+        sharing.close()

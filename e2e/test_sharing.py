@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from e2e import kube
-from e2e.cluster import NODE_NAME, Cluster, tail_file
+from e2e.cluster import NODE_NAME, Cluster
 from e2e.conftest import E2E
 from e2e.sharing_support import (
     CORES,
@@ -33,6 +33,7 @@ from e2e.sharing_support import (
     Sharing,
     assert_within_capacity,
     events,
+    running_chain,
 )
 from kxpu.sharing import signing
 
@@ -40,26 +41,15 @@ from kxpu.sharing import signing
 @pytest.fixture(scope="module")
 def chain(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sharing]:
     """One chain for the module: starting it (four processes, webhooks, readiness) costs ~4 s."""
-    sharing = Sharing(cluster, tmp_path_factory.mktemp("sharing"))
-    try:
-        sharing.start()
-    except BaseException:
-        logs = "\n".join(f"--- {n} ---\n{tail_file(p, 40)}" for n, p in sharing.logs.items())
-        sharing.close()
-        pytest.fail(f"the sharing chain did not come up:\n{logs}", pytrace=False)
-    yield sharing
-    sharing.close()
+    with running_chain(cluster, tmp_path_factory.mktemp("sharing")) as sharing:
+        yield sharing
 
 
 @pytest.fixture
 def sharing(chain: Sharing, e2e: E2E) -> Iterator[Sharing]:
     """The chain, its logs attached to a failed scenario's report; every pod deleted afterwards."""
     e2e.logs.update(chain.logs)
-    for proc in chain.procs:
-        if proc.proc is None or proc.proc.poll() is not None:  # a scenario that stopped one and failed
-            proc.stop()
-            proc.start()
-    chain.wait_node_ready()
+    chain.reset()
     yield chain
     chain.delete_pods()
 

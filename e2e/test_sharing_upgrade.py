@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from e2e import kube
-from e2e.cluster import NODE_NAME, Cluster, tail_file
+from e2e.cluster import NODE_NAME, Cluster
 from e2e.conftest import E2E
 from e2e.sharing_support import (
     CORES,
@@ -38,6 +38,7 @@ from e2e.sharing_support import (
     assert_within_capacity,
     events,
     kxpu_command,
+    running_chain,
 )
 from e2e.test_sharing import wait_bound, wait_running
 from kxpu.sharing import signing
@@ -48,27 +49,16 @@ NODE_LEASE = lease_name(NODE_NAME, RES)
 
 @pytest.fixture(scope="module")
 def chain(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sharing]:
-    sharing = Sharing(
+    with running_chain(
         cluster, tmp_path_factory.mktemp("sharing-upgrade"), signing_scheme="hmac", node_lock="annotation"
-    )
-    try:
-        sharing.start()
-    except BaseException:
-        logs = "\n".join(f"--- {n} ---\n{tail_file(p, 40)}" for n, p in sharing.logs.items())
-        sharing.close()
-        pytest.fail(f"the sharing chain did not come up:\n{logs}", pytrace=False)
-    yield sharing
-    sharing.close()
+    ) as sharing:
+        yield sharing
 
 
 @pytest.fixture
 def sharing(chain: Sharing, e2e: E2E) -> Iterator[Sharing]:
     e2e.logs.update(chain.logs)
-    for proc in chain.procs:
-        if proc.proc is None or proc.proc.poll() is not None:
-            proc.stop()
-            proc.start()
-    chain.wait_node_ready()
+    chain.reset()
     yield chain
     chain.delete_pods()
 

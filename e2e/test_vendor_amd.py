@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from e2e import kube
-from e2e.cluster import Cluster, tail_file
+from e2e.cluster import Cluster
 from e2e.conftest import E2E
-from e2e.sharing_support import NS, Sharing
+from e2e.sharing_support import NS, Sharing, running_chain
 from kxpu.testing.fake_amd import DRI_MAJOR, KFD_MAJOR, FakeAmd
 
 GPU = "amd.com/gpu"
@@ -82,17 +82,11 @@ def dcu_chain(
         "sharing": {"splitCount": 4, "publishIntervalSeconds": 5},
     }
     family = {"resource": DCU, "memory": DCUMEM, "cores": DCUCORES}
-    sharing = Sharing(cluster, work, resource=resource, family=family, slots=8 * 4)
     try:
-        sharing.start()
-    except BaseException:
-        logs = "\n".join(f"--- {n} ---\n{tail_file(p, 40)}" for n, p in sharing.logs.items())
-        sharing.close()
+        with running_chain(cluster, work, resource=resource, family=family, slots=8 * 4) as sharing:
+            yield sharing, fake
+    finally:
         fake.cleanup()
-        pytest.fail(f"the sharing chain did not come up:\n{logs}", pytrace=False)
-    yield sharing, fake
-    sharing.close()
-    fake.cleanup()
 
 
 def test_a_hygon_dcu_shared_by_two_pods_through_the_extender(
