@@ -1,7 +1,6 @@
-"""The Kubernetes layer of sharing against a real kube-apiserver (the e2e harness's, when it is up).
+"""The Kubernetes layer of sharing against the e2e cluster's real kube-apiserver.
 
-Uses ``$KXPU_E2E_KUBECONFIG`` or the harness's admin kubeconfig; skipped when no API server
-answers. Each test works in its own namespace and on its own fake Node object (no kubelet:
+Each test works in its own namespace and on its own fake Node object (no kubelet:
 pods bound to it stay Pending, which is all the API-level flow needs), both deleted after.
 """
 
@@ -9,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +22,7 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import ConfigMap, Event, Namespace, Node, Pod, Secret
 from lightkube.types import PatchType
 
+from e2e.cluster import Cluster
 from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
 from kxpu.model import BackendError
 from kxpu.sharing import signing
@@ -42,8 +40,6 @@ from kxpu.sharing.state import ClusterState
 
 NPU = "example.com/npu"
 KEYS = [b"a" * 32]
-KUBECONFIG = Path(os.environ.get("KXPU_E2E_KUBECONFIG", "/var/lib/kxpu-e2e/admin.kubeconfig"))
-HAVE_KUBECONFIG = KUBECONFIG.exists()
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 15.0) -> None:
@@ -86,14 +82,8 @@ class Env:
 
 
 @pytest.fixture
-async def env() -> AsyncIterator[Env]:
-    if not HAVE_KUBECONFIG:
-        pytest.skip(f"no kubeconfig at {KUBECONFIG} (the e2e cluster is not up)")
-    client = AsyncClient(config=KubeConfig.from_file(KUBECONFIG), field_manager="kxpu-test")
-    try:
-        await asyncio.wait_for(client.get(Namespace, "default"), 5)
-    except Exception as exc:
-        pytest.skip(f"the API server does not answer: {exc}")
+async def env(cluster: Cluster) -> AsyncIterator[Env]:
+    client = AsyncClient(config=KubeConfig.from_file(cluster.kubeconfig), field_manager="kxpu-test")
     suffix = uuid.uuid4().hex[:8]
     namespace, node = f"kxpu-sharing-{suffix}", f"kxpu-sharing-{suffix}"
     await client.create(Namespace(metadata=ObjectMeta(name=namespace)))
