@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from measure import cpu_seconds, percentile
 
-from e2e.cluster import Cluster, exclusive
+from e2e.cluster import Cluster, held_up
 from kxpu.dra.kube import DraKube
 from kxpu.dra.prepare import ClaimRef
 from kxpu.dra.publisher import SlicePublisher
@@ -475,17 +475,11 @@ def main() -> int:
         return 2
     cluster = Cluster.default(control_plane_only=args.control_plane_only)
     work = Path(tempfile.mkdtemp(prefix="kx-bdra-", dir="/tmp"))
-    with exclusive(1800, "bench_dra"):
-        reuse = cluster.state.exists() and all(cluster.running().values())
-        if not reuse:
-            cluster.up()
-        os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-        try:
+    try:
+        with held_up(cluster, 1800, "bench_dra"):
             result = asyncio.run(run(args, cluster, work))
-        finally:
-            if not reuse:
-                cluster.down()
-            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     result = {
         "kubernetes": cluster.release,
         "cluster": "control-plane-only" if args.control_plane_only else "e2e",

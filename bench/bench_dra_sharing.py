@@ -83,7 +83,7 @@ from bench_sharing_e2e import (
 from measure import cpu_seconds
 from packing import first_fit_decreasing, lower_bound
 
-from e2e.cluster import Cluster, exclusive
+from e2e.cluster import Cluster, held_up
 from e2e.sharing_support import CORES, EXTENDER_METRICS_PORT, MEM, NS, RES, Sharing
 from kxpu.dra.kube import DraKube
 from kxpu.dra.publisher import SlicePublisher
@@ -613,11 +613,7 @@ def main() -> int:
         return 2
     cluster = Cluster.default(control_plane_only=args.control_plane_only)
     load = os.getloadavg()
-    with exclusive(1800, "bench_dra_sharing"):
-        reuse = cluster.state.exists() and all(cluster.running().values())
-        if not reuse:
-            cluster.up()
-        os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    with held_up(cluster, 1800, "bench_dra_sharing"):
         work = Path(tempfile.mkdtemp(prefix="kxpu-bench-dra-sharing-"))
         sharing = Sharing(
             cluster, work, node_policy=args.policy, inventory_stale_s=3600, client_qps=500, log_level="info"
@@ -634,8 +630,6 @@ def main() -> int:
             raise
         finally:
             sharing.close()
-            if not reuse:
-                cluster.down()
     report: dict[str, Any] = {
         "kubernetes": cluster.release,
         "cluster": "control-plane-only" if args.control_plane_only else "e2e",

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lightkube.resources.coordination_v1 import Lease
 from measure import cpu_seconds, percentile
 
-from e2e.cluster import Cluster, exclusive
+from e2e.cluster import Cluster, held_up
 from e2e.sharing_support import CORES, EXTENDER_METRICS_PORT, MEM, NS, RES, SCHEDULER, SPLIT, Sharing
 from kxpu.kube.client import get_raw
 from kxpu.sharing import inventory
@@ -406,11 +406,7 @@ def main() -> int:
         print("needs root: it uses the e2e cluster", file=sys.stderr)
         return 2
     cluster = Cluster.default(control_plane_only=args.control_plane_only)
-    with exclusive(900, "bench_sharing_e2e"):
-        reuse = cluster.state.exists() and all(cluster.running().values())
-        if not reuse:
-            cluster.up()
-        os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    with held_up(cluster, 900, "bench_sharing_e2e"):
         work = Path(tempfile.mkdtemp(prefix="kxpu-bench-sharing-"))
         sharing = Sharing(
             cluster,
@@ -430,8 +426,6 @@ def main() -> int:
             raise
         finally:
             sharing.close()
-            if not reuse:
-                cluster.down()
     report: dict[str, Any] = {
         "nodes": args.nodes,
         "policy": args.policy,

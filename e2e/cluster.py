@@ -1160,6 +1160,22 @@ def exclusive(wait: float, purpose: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def held_up(cluster: Cluster, wait: float, purpose: str) -> Iterator[Cluster]:
+    """The cluster lock held and the cluster up, with ``KUBECONFIG`` pointing at it (a benchmark's whole run):
+    one already running is reused and left running, else it is brought up here and down at the end."""
+    with exclusive(wait, purpose):
+        reuse = cluster.state.exists() and all(cluster.running().values())
+        if not reuse:
+            cluster.up()
+        os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+        try:
+            yield cluster
+        finally:
+            if not reuse:
+                cluster.down()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["up", "down", "status", "env"])
