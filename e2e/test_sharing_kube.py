@@ -61,6 +61,19 @@ class Env:
     namespace: str
     node: str
 
+    async def delete_pod(self, name: str) -> None:
+        """Delete a pod at once and wait until the API server no longer has it."""
+        await self.client.delete(Pod, name, namespace=self.namespace, grace_period=0)
+
+        async def gone() -> bool:
+            try:
+                await self.client.get(Pod, name, namespace=self.namespace)
+            except Exception:
+                return True
+            return False
+
+        await eventually(gone)
+
     async def pod(self, name: str, limits: dict[str, str]) -> PodRef:
         obj = await self.client.create(
             Pod(
@@ -138,16 +151,7 @@ async def test_node_lock_compare_and_swap_and_recovery(env: Env) -> None:
     await api_a.release_lock(env.node, NPU, loser)  # not the holder: no effect
     with pytest.raises(LockBusy):
         await api_a.acquire_lock(env.node, NPU, loser)
-    await env.client.delete(Pod, winner.name, namespace=env.namespace, grace_period=0)
-
-    async def holder_gone() -> bool:
-        try:
-            await env.client.get(Pod, winner.name, namespace=env.namespace)
-        except Exception:
-            return True
-        return False
-
-    await eventually(holder_gone)
+    await env.delete_pod(winner.name)
     assert takeovers == []
     await api_a.acquire_lock(env.node, NPU, loser)  # recovered at once: its pod is gone
     assert takeovers == ["its pod is gone"]  # counted by the extender as kxpu_scheduler_lock_takeovers
@@ -453,16 +457,7 @@ async def test_lease_lock_compare_and_swap_and_recovery_without_touching_the_nod
     await api_a.release_lock(env.node, NPU, loser)  # not the holder: no effect
     with pytest.raises(LockBusy, match=f"locked for {NPU} by pod {winner}"):
         await api_a.acquire_lock(env.node, NPU, loser)
-    await env.client.delete(Pod, winner.name, namespace=env.namespace, grace_period=0)
-
-    async def holder_gone() -> bool:
-        try:
-            await env.client.get(Pod, winner.name, namespace=env.namespace)
-        except Exception:
-            return True
-        return False
-
-    await eventually(holder_gone)
+    await env.delete_pod(winner.name)
     await api_a.acquire_lock(env.node, NPU, loser)  # recovered at once: its pod is gone
     assert takeovers == ["its pod is gone"]
     lock = await link.lock(NPU)
