@@ -20,6 +20,10 @@ from kxpu.status import DEFAULT_POD_RESOURCES_SOCKET
 log = get_logger("kxpu.cli")
 
 EXIT_BAD_INPUT = 2
+# The node daemon's HTTP port: outside the Prometheus exporter range (9100-9999, every number allocated there,
+# 9400 being dcgm-exporter's), Kubernetes' (10248-10260) and the usual 8080/8081/9090-9093; "kxpu" on a phone
+# keypad.
+DEFAULT_HTTP_PORT = 5978
 
 
 def _fail(message: str) -> None:
@@ -120,9 +124,27 @@ def main() -> None:
 @click.option(
     "--http-address",
     envvar="KXPU_HTTP_ADDRESS",
-    default=":9400",
+    default=f":{DEFAULT_HTTP_PORT}",
     show_default=True,
-    help="[HOST]:PORT for /metrics, /healthz, /readyz; empty to disable. Env: KXPU_HTTP_ADDRESS.",
+    help="[HOST]:PORT for /metrics, /healthz, /readyz, /status; empty to disable. Env: KXPU_HTTP_ADDRESS.",
+)
+@click.option(
+    "--http-auth",
+    envvar="KXPU_HTTP_AUTH",
+    type=click.Choice(["kubernetes", "none"]),
+    default="kubernetes",
+    show_default=True,
+    help="Who may GET /status: kubernetes = a bearer token the API server authenticates (TokenReview) whose "
+    "user may get that non-resource URL (SubjectAccessReview); none = whoever reaches the port. The probes are "
+    "never checked. Env: KXPU_HTTP_AUTH.",
+)
+@click.option(
+    "--http-auth-metrics/--no-http-auth-metrics",
+    envvar="KXPU_HTTP_AUTH_METRICS",
+    default=False,
+    show_default=True,
+    help="Check /metrics as /status (Prometheus then needs a token allowed to get /metrics). "
+    "Env: KXPU_HTTP_AUTH_METRICS.",
 )
 @import_option
 @log_level_option
@@ -131,13 +153,15 @@ def plugin(
     config_path: Path,
     device_plugin_dir: Path | None,
     http_address: str,
+    http_auth: str,
+    http_auth_metrics: bool,
     imports: tuple[str, ...],
     log_level: str,
     log_format: str,
 ) -> None:
     """Serve the configured resources to the kubelet (the node daemon)."""
     from kxpu.daemon import Daemon
-    from kxpu.daemon.http import parse_address
+    from kxpu.daemon.http import HttpAddressError, parse_address
 
     configure_logging(log_level, "json" if log_format == "json" else "text")
     config = _load(config_path, device_plugin_dir, imports)
@@ -156,6 +180,7 @@ def plugin(
         return load_config(config_path, device_plugin_dir)
 
     events = _grant_events() if config.telemetry.enabled and config.telemetry.events else None
+    authorize = _http_authorizer() if http_address and http_auth == "kubernetes" else None
 
     async def serve() -> int:
         daemon = Daemon(
@@ -165,6 +190,8 @@ def plugin(
             http_address or None,
             dra=lambda *args: _dra(daemon, *args),
             on_grant_exceeded=events,
+            http_authorize=authorize,
+            http_protect_metrics=http_auth_metrics,
         )
         code = await daemon.run()
         if daemon.abandoned or daemon.stuck_calls:
@@ -174,7 +201,32 @@ def plugin(
             os._exit(code)
         return code
 
-    sys.exit(asyncio.run(serve()))
+    try:
+        code = asyncio.run(serve())
+    except HttpAddressError as exc:
+        _fail(str(exc))
+        raise  # unreachable
+    sys.exit(code)
+
+
+def _http_authorizer() -> Any:
+    """TokenReview + SubjectAccessReview through the API server (lightkube is imported only then). Without
+    API access the daemon still serves, and /status answers 503 saying why."""
+    from lightkube import ConfigError as KubeConfigError
+    from lightkube import KubeConfig
+
+    from kxpu.kube.client import make_client
+    from kxpu.kube.review import ReviewAuthorizer
+
+    try:
+        KubeConfig.from_env()  # what make_client uses: in-cluster service account, else $KUBECONFIG / ~/.kube/config
+    except (KubeConfigError, OSError) as exc:
+        reason = (
+            f"--http-auth=kubernetes, but this daemon has no API access to review tokens ({error_text(exc)}): "
+            "give it a service account token or a kubeconfig, or start it with --http-auth=none"
+        )
+        return ReviewAuthorizer(None, reason)
+    return ReviewAuthorizer(make_client)
 
 
 def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any) -> Any:
@@ -312,9 +364,16 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
     "--daemon",
     "daemon_url",
     envvar="KXPU_DAEMON_URL",
-    default="http://127.0.0.1:9400",
+    default=f"http://127.0.0.1:{DEFAULT_HTTP_PORT}",
     show_default=True,
     help="The node daemon's --http-address. Env: KXPU_DAEMON_URL.",
+)
+@click.option(
+    "--token-file",
+    envvar="KXPU_TOKEN_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Bearer token for the daemon's /status. Default, for a daemon on this host only: the pod's "
+    "service-account token, else the kubeconfig user's token. Env: KXPU_TOKEN_FILE.",
 )
 @click.option("--all-resources", is_flag=True, help="Also list devices of resources kxpu does not serve.")
 @click.option(
@@ -325,7 +384,8 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
 @click.option(
     "--kubeconfig",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="With --cluster: default in-cluster account, else $KUBECONFIG or ~/.kube/config.",
+    help="Default in-cluster account, else $KUBECONFIG or ~/.kube/config (its user's token, if any, is sent "
+    "to the daemon).",
 )
 @click.option(
     "--resource",
@@ -338,6 +398,7 @@ def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level:
 def status(
     pod_resources_socket: Path,
     daemon_url: str,
+    token_file: Path | None,
     all_resources: bool,
     cluster: bool,
     kubeconfig: Path | None,
@@ -348,9 +409,13 @@ def status(
     if cluster:
         _cluster_status(kubeconfig, frozenset(resources), output)
         return
-    from kxpu.status import format_table, node_status
+    from kxpu.status import TokenError, format_table, node_status, status_token
 
-    result = asyncio.run(node_status(pod_resources_socket, daemon_url, all_resources))
+    try:
+        token = status_token(daemon_url, token_file, kubeconfig)
+    except TokenError as exc:
+        _fail(str(exc))
+    result = asyncio.run(node_status(pod_resources_socket, daemon_url, all_resources, token))
     if output == "json":
         click.echo(json.dumps(result.as_json(), indent=2))
     else:

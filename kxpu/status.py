@@ -112,13 +112,36 @@ async def kubelet_assignments(socket: Path) -> dict[tuple[str, str], list[str]]:
     return held
 
 
-def daemon_status(base_url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{base_url.rstrip('/')}/status", timeout=10) as response:
-        doc: dict[str, Any] = json.load(response)
+class DaemonRefused(Exception):
+    """The daemon answered /status with an error (401, 403, 503): its reason, and what to do."""
+
+
+def daemon_status(base_url: str, token: str | None = None) -> dict[str, Any]:
+    """GET /status, sending ``token`` as a bearer token when given (the daemon's --http-auth=kubernetes)."""
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/status")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            doc: dict[str, Any] = json.load(response)
+    except urllib.error.HTTPError as exc:
+        try:
+            reason = str(json.loads(exc.read(4096)).get("error", ""))
+        except ValueError:
+            reason = ""
+        hint = {
+            401: "; pass a token with --token-file (by default the pod's service account token is sent)"
+            if not token
+            else "",
+            403: "; that user needs RBAC `get` on the non-resource URL /status",
+        }.get(exc.code, "")
+        raise DaemonRefused(f"{exc.code} {exc.reason}: {reason or 'no reason given'}{hint}") from None
     return doc
 
 
-async def node_status(pod_resources_socket: Path, daemon_url: str, all_resources: bool = False) -> NodeStatus:
+async def node_status(
+    pod_resources_socket: Path, daemon_url: str, all_resources: bool = False, token: str | None = None
+) -> NodeStatus:
     errors: list[str] = []
     held: dict[tuple[str, str], list[str]] = {}
     served: dict[str, Any] = {}
@@ -129,10 +152,10 @@ async def node_status(pod_resources_socket: Path, daemon_url: str, all_resources
         errors.append(f"kubelet PodResources API at {pod_resources_socket}: {detail}")
     telemetry: dict[str, Any] = {}
     try:
-        doc = await asyncio.to_thread(daemon_status, daemon_url)
+        doc = await asyncio.to_thread(daemon_status, daemon_url, token)
         served = doc.get("resources", {})
         telemetry = doc.get("telemetry") or {}
-    except (OSError, urllib.error.URLError, ValueError) as exc:
+    except (OSError, urllib.error.URLError, ValueError, DaemonRefused) as exc:
         errors.append(f"kxpu daemon at {daemon_url}: {exc}")
     figures = {(d["resource"], d["uuid"]): d for d in telemetry.get("devices", [])}
     uses: dict[tuple[str, str, str], dict[str, Any]] = {}  # (resource, uuid, holder) → container use
@@ -540,3 +563,61 @@ def format_cluster_table(status: ClusterStatus) -> str:
     lines += [f"error: {node.name}: {e}" for node in status.nodes for e in node.errors]
     lines += [f"error: {e}" for e in status.errors]
     return "\n".join(lines)
+
+
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+
+
+class TokenError(Exception):
+    """A token was asked for and cannot be read; the message says which and why."""
+
+
+def _loopback(url: str) -> bool:
+    import ipaddress
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def status_token(daemon_url: str, token_file: Path | None, kubeconfig: Path | None) -> str | None:
+    """The bearer token `kxpu status` sends the daemon: ``--token-file``; else, to a daemon on this host only
+    (a token is a credential, and /status is plain HTTP), the pod's service-account token or the kubeconfig
+    user's token. None when there is none (a daemon with --http-auth=none needs none)."""
+    if token_file is not None:
+        try:
+            return token_file.read_text().strip() or None
+        except OSError as exc:
+            raise TokenError(f"--token-file {token_file}: {exc.strerror or exc}") from None
+    if not _loopback(daemon_url):
+        return None
+    if kubeconfig is None and SERVICE_ACCOUNT_TOKEN.is_file():
+        try:
+            return SERVICE_ACCOUNT_TOKEN.read_text().strip() or None
+        except OSError:
+            return None
+    from lightkube import ConfigError, KubeConfig
+
+    try:
+        config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
+        single = config.get()
+    except (ConfigError, OSError, ValueError):
+        if kubeconfig is not None:
+            raise TokenError(f"--kubeconfig {kubeconfig}: cannot read it") from None
+        return None
+    user = single.user if single is not None else None
+    if user is None:
+        return None
+    if user.token:
+        return str(user.token)
+    if user.token_file:
+        try:
+            return Path(user.token_file).read_text().strip() or None
+        except OSError:
+            return None
+    return None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
 from kxpu.daemon.backoff import Backoff
-from kxpu.daemon.http import HealthServer
+from kxpu.daemon.http import Authorizer, HealthServer
 from kxpu.daemon.registration import file_identity
 from kxpu.daemon.resource import BackendFactory, DraFactory, Phase, ResourceRunner, check_socket_paths
 from kxpu.daemon.wire import KUBELET_SOCKET
@@ -98,8 +98,12 @@ class Daemon:
         http_address: str | None = None,
         dra: DraFactory | None = None,
         on_grant_exceeded: ExceededHandler | None = None,
+        http_authorize: Authorizer | None = None,
+        http_protect_metrics: bool = False,
     ) -> None:
         self.config = config
+        self._http_authorize = http_authorize
+        self._http_protect_metrics = http_protect_metrics
         self._dra = dra
         self.http_address = http_address
         self._on_grant_exceeded = on_grant_exceeded
@@ -126,11 +130,19 @@ class Daemon:
             loop.add_signal_handler(sig, self.stop)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
         http = (
-            HealthServer(self.http_address, loop, self.readiness, self.status) if self.http_address else None
+            HealthServer(
+                self.http_address,
+                self.readiness,
+                self.status,
+                self._http_authorize,
+                self._http_protect_metrics,
+            )
+            if self.http_address
+            else None
         )
         try:
             if http is not None:
-                http.start()
+                await http.start()  # HttpAddressError (one line) when the port is taken
             _make_plugin_dir(self.config.device_plugin_dir)
             log.info(
                 "starting",
@@ -152,7 +164,7 @@ class Daemon:
                     await task
         finally:
             if http is not None:
-                http.stop()
+                await http.stop()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
         await wait_event(workers.idle, WORKER_GRACE_SECONDS)
@@ -239,7 +251,7 @@ class Daemon:
         return ready, {"ready": ready, "resources": phases}
 
     def status(self) -> dict[str, Any]:
-        """What this daemon serves, for `kxpu status` (read from the HTTP thread: plain reads only)."""
+        """What this daemon serves, for `kxpu status` (answered on the event loop)."""
         resources: dict[str, Any] = {}
         for name, running in list(self._running.items()):
             runner = running.runner

@@ -1,103 +1,299 @@
 """/metrics, /healthz, /readyz and /status (for `kxpu status`): probes, Prometheus and people.
 
-Served by the standard library's WSGI server on one thread beside the event loop, with
-prometheus-client's WSGI app for /metrics: no HTTP framework in the node daemon (memory
-matters on every node). Handlers only read state; /healthz round-trips through the event
-loop so that a wedged loop fails the liveness probe.
+Served on the daemon's own event loop: asyncio streams, with h11 (the sans-IO HTTP/1.1 parser httpx already
+brings) parsing requests and framing responses, and prometheus-client's exposition for /metrics. No HTTP
+framework in the node daemon: aiohttp costs ~400 ms of start-up and ~9 MiB on every node (README,
+Dependencies). Anyone on the pod network can reach this port, so every connection is bounded: at most
+``Limits.connections`` at once (past that: 503 and close), a request must arrive whole within
+``request_seconds``, a keep-alive connection idle for ``idle_seconds`` is closed, a response the client does
+not read within ``write_seconds`` ends the connection, and heads and bodies have size limits. /status (and
+/metrics, when asked) go through an ``Authorizer`` (Kubernetes' TokenReview and SubjectAccessReview,
+``kxpu.kube.review``); the probes never do: the kubelet sends no token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
-import threading
-from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import make_wsgi_app
+import h11
+from prometheus_client import REGISTRY
+from prometheus_client.exposition import choose_encoder
 
 from kxpu.logs import get_logger
 
 log = get_logger("kxpu.daemon.http")
 
-LOOP_CHECK_SECONDS = 2.0
-
-StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 Readiness = Callable[[], tuple[bool, dict[str, Any]]]
 Status = Callable[[], dict[str, Any]]
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+# (bearer token or None, path, verb) → (200 to go on, or 401, 403, 503; the reason the client is told)
+Authorizer = Callable[[str | None, str, str], Awaitable[tuple[int, str]]]
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: no access log
-        pass
+@dataclass(frozen=True)
+class Limits:
+    connections: int = 64  # Prometheus, two probes and `kxpu status` need a handful
+    request_seconds: float = 10.0  # from the first byte of a request (or the connection) to its whole body
+    idle_seconds: float = 30.0  # between requests on a keep-alive connection
+    write_seconds: float = 10.0  # for the client to take a response
+    max_head_bytes: int = 16 * 1024  # request line and headers
+    max_body_bytes: int = 4 * 1024  # GET and HEAD only: nothing legitimate sends a body
+
+
+class HttpAddressError(Exception):
+    """The address cannot be listened on; the message says why and what to do."""
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """``:9400`` → ("0.0.0.0", 9400); ``127.0.0.1:9400`` → ("127.0.0.1", 9400)."""
+    """``:5978`` → ("0.0.0.0", 5978); ``127.0.0.1:5978`` → ("127.0.0.1", 5978)."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"--http-address {address!r} must be [HOST]:PORT")
     return (host.strip("[]") or "0.0.0.0", int(port))
 
 
+class _Reject(Exception):
+    """End the connection with this status (the request broke a limit or the protocol)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass
+class _Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+
+
 class HealthServer:
     def __init__(
-        self, address: str, loop: asyncio.AbstractEventLoop, readiness: Readiness, status: Status
+        self,
+        address: str,
+        readiness: Readiness,
+        status: Status,
+        authorize: Authorizer | None = None,
+        protect_metrics: bool = False,
+        limits: Limits | None = None,
     ) -> None:
+        self.address = address
         self.host, self.port = parse_address(address)
-        self.loop = loop
         self.readiness = readiness
         self.status = status
-        self._metrics = make_wsgi_app()
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self.authorize = authorize
+        self.protected = frozenset({"/status", *(("/metrics",) if protect_metrics else ())})
+        self.limits = limits or Limits()
+        self.refused = 0  # connections turned away at the limit
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[Any]] = set()
 
-    def start(self) -> None:
-        self._server = make_server(
-            self.host, self.port, self._app, server_class=_ThreadingServer, handler_class=_QuietHandler
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    async def start(self) -> None:
+        """Listen, or raise HttpAddressError saying why not in one line."""
+        try:
+            self._server = await asyncio.start_server(self._connection, self.host, self.port)
+        except OSError as exc:
+            raise HttpAddressError(_listen_error(self.address, exc)) from None
+        self.port = self._server.sockets[0].getsockname()[1]  # when asked for port 0
+        log.info(
+            "serving metrics and probes",
+            address=f"{self.host}:{self.port}",
+            checked=sorted(self.protected) if self.authorize else [],
         )
-        self.port = self._server.server_port  # when asked for port 0
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kxpu-http", daemon=True)
-        self._thread.start()
-        log.info("serving metrics and probes", address=f"{self.host}:{self.port}")
+        problem = getattr(self.authorize, "problem", "")
+        if problem:  # said once the port is ours, so a taken port stays a one-line failure
+            log.warning(problem)
 
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=1.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
-    def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self.limits.connections:
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                log.warning(
+                    "HTTP connection limit reached; refusing connections",
+                    limit=self.limits.connections,
+                    refused=self.refused,
+                )
+            _raw(writer, 503, "too many connections")
+            writer.close()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._serve(reader, writer)
+        except _Reject as exc:
+            _raw(writer, exc.status, exc.reason)
+        except (TimeoutError, ConnectionError, h11.ProtocolError):
+            pass  # slow, gone, or broken mid-way: nothing more to say to it
+        finally:
+            self._connections.discard(task)
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()  # an unread response is not kept in memory
+            else:
+                writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_bytes)
+        loop = asyncio.get_running_loop()
+        first = True
+        while True:
+            if not first and not conn.trailing_data[0]:
+                # Keep-alive: wait for the next request's first bytes, or close when idle.
+                try:
+                    async with asyncio.timeout(self.limits.idle_seconds):
+                        data = await reader.read(4096)
+                except TimeoutError:
+                    return
+                conn.receive_data(data)
+            first = False
+            deadline = loop.time() + self.limits.request_seconds
+            request = await self._next(conn, reader, deadline)
+            if not isinstance(request, h11.Request):
+                return  # closed between requests
+            await self._read_body(conn, reader, deadline, request)
+            response = await self._respond(request)
+            await self._send(conn, writer, request, response)
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return  # MUST_CLOSE: the client asked for it, or spoke HTTP/1.0
+            conn.start_next_cycle()
+
+    async def _next(self, conn: h11.Connection, reader: asyncio.StreamReader, deadline: float) -> Any:
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                status = exc.error_status_hint
+                raise _Reject(status, "request head too large" if status == 431 else "bad request") from None
+            if event is not h11.NEED_DATA:
+                return event
+            try:
+                async with asyncio.timeout_at(deadline):
+                    data = await reader.read(4096)
+            except TimeoutError:
+                raise _Reject(408, "request not received in time") from None
+            conn.receive_data(data)
+
+    async def _read_body(
+        self, conn: h11.Connection, reader: asyncio.StreamReader, deadline: float, request: h11.Request
+    ) -> None:
+        for name, value in request.headers:
+            if name == b"content-length" and int(value) > self.limits.max_body_bytes:
+                raise _Reject(413, "request body too large")
+        size = 0
+        while True:
+            event = await self._next(conn, reader, deadline)
+            if isinstance(event, h11.EndOfMessage):
+                return
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > self.limits.max_body_bytes:
+                    raise _Reject(413, "request body too large")
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ConnectionResetError
+
+    async def _respond(self, request: h11.Request) -> _Response:
+        method = request.method.decode()
+        path = request.target.decode("latin-1").partition("?")[0]
+        if method not in ("GET", "HEAD"):
+            return _Response(405, _json({"error": "only GET and HEAD"}), headers=(("Allow", "GET, HEAD"),))
+        if path in self.protected and self.authorize is not None:
+            code, reason = await self.authorize(_bearer(request), path, "get")
+            if code != 200:
+                headers = (("WWW-Authenticate", 'Bearer realm="kxpu"'),) if code == 401 else ()
+                return _Response(code, _json({"error": reason}), headers=headers)
         if path == "/metrics":
-            result: Iterable[bytes] = self._metrics(environ, start_response)
-            return result
-        if path == "/healthz":
-            return self._healthz(start_response)
+            accept = ",".join(v.decode("latin-1") for k, v in request.headers if k == b"accept")
+            encoder, content_type = choose_encoder(accept)
+            return _Response(200, encoder(REGISTRY), content_type)
+        if path == "/healthz":  # answered by the event loop itself: a wedged loop fails the probe's timeout
+            return _Response(200, _json({"status": "ok"}))
         if path == "/readyz":
             ready, detail = self.readiness()
-            return _json(start_response, "200 OK" if ready else "503 Service Unavailable", detail)
+            return _Response(200 if ready else 503, _json(detail))
         if path == "/status":
-            return _json(start_response, "200 OK", self.status())
-        return _json(start_response, "404 Not Found", {"error": f"no such path {path}"})
+            return _Response(200, _json(self.status()))
+        return _Response(404, _json({"error": f"no such path {path}"}))
 
-    def _healthz(self, start_response: StartResponse) -> Iterable[bytes]:
-        async def ping() -> None:
-            return None
+    async def _send(
+        self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request, response: _Response
+    ) -> None:
+        headers = [
+            ("Content-Type", response.content_type),
+            ("Content-Length", str(len(response.body))),
+            *response.headers,
+        ]
+        out = conn.send(h11.Response(status_code=response.status, headers=headers)) or b""
+        if request.method != b"HEAD":
+            out += conn.send(h11.Data(data=response.body)) or b""
+        out += conn.send(h11.EndOfMessage()) or b""
+        writer.write(out)
+        async with asyncio.timeout(self.limits.write_seconds):
+            await writer.drain()
 
-        try:
-            asyncio.run_coroutine_threadsafe(ping(), self.loop).result(LOOP_CHECK_SECONDS)
-        except Exception:
-            return _json(start_response, "503 Service Unavailable", {"status": "event loop not responding"})
-        return _json(start_response, "200 OK", {"status": "ok"})
+
+def _bearer(request: h11.Request) -> str | None:
+    for name, value in request.headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
 
 
-def _json(start_response: StartResponse, status: str, body: dict[str, Any]) -> Iterable[bytes]:
-    data = json.dumps(body).encode()
-    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
-    return [data]
+def _json(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+_REASONS = {
+    400: "Bad Request",
+    408: "Request Timeout",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+
+
+def _raw(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
+    """A last answer on a connection h11 can no longer frame (a broken request, one over a limit)."""
+    body = _json({"error": reason})
+    with contextlib.suppress(Exception):
+        writer.write(
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+
+
+def _listen_error(address: str, exc: OSError) -> str:
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"cannot listen on --http-address {address}: {reason} (another process listens on that port; "
+            "choose another with --http-address or KXPU_HTTP_ADDRESS, or an empty one to serve no HTTP)"
+        )
+    return f"cannot listen on --http-address {address}: {reason}"

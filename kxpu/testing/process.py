@@ -36,7 +36,7 @@ class DaemonProcess:
         self.extra_args = list(extra_args)
         self.env = env
         self.process: asyncio.subprocess.Process | None = None
-        self.http_port = free_port()  # each daemon its own, so parallel runs never collide on :9400
+        self.http_port = free_port()  # each daemon its own, so parallel runs never collide on one port
 
     @property
     def pid(self) -> int:
@@ -47,7 +47,8 @@ class DaemonProcess:
         args = [sys.executable, "-m", "kxpu", "plugin", "--config", str(self.config), "--log-level", "debug"]
         if self.device_plugin_dir is not None:
             args += ["--device-plugin-dir", str(self.device_plugin_dir)]
-        args += ["--http-address", f"127.0.0.1:{self.http_port}", *self.extra_args]
+        # No API server to review tokens here: /status open to the test (extra_args may say otherwise).
+        args += ["--http-address", f"127.0.0.1:{self.http_port}", "--http-auth", "none", *self.extra_args]
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log:  # noqa: ASYNC230  (a local file, opened once)
             self.process = await asyncio.create_subprocess_exec(

@@ -1,0 +1,112 @@
+"""Delegated authentication and authorization, as Kubernetes components (kubelet, kube-scheduler,
+kube-rbac-proxy) guard their own HTTP endpoints: the API server says who a bearer token belongs to
+(TokenReview) and whether that user may ``get`` the path (SubjectAccessReview on a non-resource URL, the
+same rule that grants ``/metrics`` to Prometheus). Decisions are cached briefly, keyed by a hash of the token,
+in a bounded table; at most a few reviews run at once, so a flood of made-up tokens costs the API server
+little. Used by the node daemon's /status (and /metrics on request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kxpu.logs import error_text, get_logger
+
+if TYPE_CHECKING:
+    from lightkube import AsyncClient
+
+log = get_logger("kxpu.kube.review")
+
+ALLOWED_TTL_SECONDS = 10.0  # how long a token keeps a decision: a revoked binding takes effect within it
+DENIED_TTL_SECONDS = 10.0
+CACHE_ENTRIES = 1024
+CONCURRENT_REVIEWS = 4
+
+
+class ReviewAuthorizer:
+    """``await authorizer(token, path, verb)`` → (HTTP status, reason): 200, 401, 403, or 503 when the API
+    server could not be asked (never cached: the next request asks again)."""
+
+    def __init__(
+        self,
+        client: Callable[[], AsyncClient] | None,
+        no_client_reason: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client_factory = client
+        self._client: AsyncClient | None = None
+        self.problem = "" if client is not None else no_client_reason  # logged by the server once listening
+        self._clock = clock
+        self._cache: dict[tuple[str, str, str], tuple[float, tuple[int, str]]] = {}
+        self._reviews = asyncio.Semaphore(CONCURRENT_REVIEWS)
+        self._failing = False
+        self.reviews = 0  # TokenReviews sent (the cache saves the rest)
+
+    async def __call__(self, token: str | None, path: str, verb: str) -> tuple[int, str]:
+        if not token:
+            return 401, "a bearer token is needed (Authorization: Bearer <token>); `kxpu status` sends one"
+        key = (hashlib.sha256(token.encode()).hexdigest(), path, verb)
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] > self._clock():
+            return cached[1]
+        async with self._reviews:
+            decision = await self._review(token, path, verb)
+        if decision[0] != 503:
+            self._remember(key, decision)
+        return decision
+
+    def _remember(self, key: tuple[str, str, str], decision: tuple[int, str]) -> None:
+        now = self._clock()
+        if len(self._cache) >= CACHE_ENTRIES:
+            for stale in [k for k, (expires, _) in self._cache.items() if expires <= now]:
+                del self._cache[stale]
+            while len(self._cache) >= CACHE_ENTRIES:  # the oldest first (insertion order)
+                del self._cache[next(iter(self._cache))]
+        ttl = ALLOWED_TTL_SECONDS if decision[0] == 200 else DENIED_TTL_SECONDS
+        self._cache[key] = (now + ttl, decision)
+
+    async def _review(self, token: str, path: str, verb: str) -> tuple[int, str]:
+        from lightkube.models.authentication_v1 import TokenReviewSpec
+        from lightkube.models.authorization_v1 import NonResourceAttributes, SubjectAccessReviewSpec
+        from lightkube.resources.authentication_v1 import TokenReview
+        from lightkube.resources.authorization_v1 import SubjectAccessReview
+
+        if self._client_factory is None:
+            return 503, self.problem or "this daemon has no API access to review tokens"
+        try:
+            if self._client is None:
+                self._client = self._client_factory()
+            self.reviews += 1
+            review = await self._client.create(TokenReview(spec=TokenReviewSpec(token=token)))
+            status = review.status
+            if status is None or not status.authenticated or status.user is None:
+                reason = (status.error if status is not None else None) or "the token is not valid"
+                return 401, f"not authenticated: {reason}"
+            user = status.user
+            access = await self._client.create(
+                SubjectAccessReview(
+                    spec=SubjectAccessReviewSpec(
+                        user=user.username,
+                        uid=user.uid,
+                        groups=user.groups,
+                        extra=user.extra,
+                        nonResourceAttributes=NonResourceAttributes(path=path, verb=verb),
+                    )
+                )
+            )
+        except Exception as exc:  # the API server's refusal or the connection's failure
+            if not self._failing:
+                log.warning("cannot review a token with the API server; answering 503", error=error_text(exc))
+                self._failing = True
+            return 503, f"cannot review the token with the API server: {error_text(exc)}"
+        if self._failing:
+            log.info("token reviews work again")
+            self._failing = False
+        if access.status is not None and access.status.allowed and not access.status.denied:
+            return 200, ""
+        why = access.status.reason if access.status is not None and access.status.reason else ""
+        return 403, f'user "{user.username}" may not {verb} {path}' + (f": {why}" if why else "")
