@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import h11
@@ -97,6 +98,7 @@ class HealthServer:
         self.refused = 0  # connections turned away at the limit
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[Any]] = set()
+        self._lingering = 0  # refused connections still being closed
 
     @property
     def connections(self) -> int:
@@ -138,8 +140,7 @@ class HealthServer:
                     limit=self.limits.connections,
                     refused=self.refused,
                 )
-            _raw(writer, 503, "too many connections")
-            writer.close()
+            await self._refuse(reader, writer)
             return
         task = asyncio.current_task()
         assert task is not None
@@ -150,12 +151,34 @@ class HealthServer:
             _raw(writer, exc.status, exc.reason)
         except (TimeoutError, ConnectionError, h11.ProtocolError):
             pass  # slow, gone, or broken mid-way: nothing more to say to it
+        except asyncio.CancelledError:
+            pass  # stop() ends its own connection tasks; asyncio would log a cancelled one as an error
         finally:
             self._connections.discard(task)
             if writer.transport.get_write_buffer_size():
                 writer.transport.abort()  # an unread response is not kept in memory
             else:
                 writer.close()
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """503, then close. Closing a socket with the request unread would reset the connection and could
+        drop the answer, so up to ``connections`` refusals at once wait (briefly) for the client to take it;
+        past that, the connection is dropped outright."""
+        if self._lingering >= self.limits.connections:
+            writer.transport.abort()
+            return
+        self._lingering += 1
+        try:
+            _raw(writer, 503, "too many connections")
+            writer.write_eof()
+            async with asyncio.timeout(1.0):
+                while await reader.read(4096):
+                    pass
+            writer.close()
+        except (TimeoutError, OSError, asyncio.CancelledError):
+            writer.transport.abort()
+        finally:
+            self._lingering -= 1
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_bytes)
@@ -172,7 +195,7 @@ class HealthServer:
                 conn.receive_data(data)
             first = False
             deadline = loop.time() + self.limits.request_seconds
-            request = await self._next(conn, reader, deadline)
+            request = await self._next(conn, reader, deadline, head=True)
             if not isinstance(request, h11.Request):
                 return  # closed between requests
             await self._read_body(conn, reader, deadline, request)
@@ -182,7 +205,12 @@ class HealthServer:
                 return  # MUST_CLOSE: the client asked for it, or spoke HTTP/1.0
             conn.start_next_cycle()
 
-    async def _next(self, conn: h11.Connection, reader: asyncio.StreamReader, deadline: float) -> Any:
+    async def _next(
+        self, conn: h11.Connection, reader: asyncio.StreamReader, deadline: float, head: bool = False
+    ) -> Any:
+        """The next h11 event; ``head``: the request line and headers, whose size is bounded here (h11 bounds
+        only what it has not parsed yet, so a head arriving whole would pass its limit)."""
+        received = len(conn.trailing_data[0]) if head else 0
         while True:
             try:
                 event = conn.next_event()
@@ -196,6 +224,9 @@ class HealthServer:
                     data = await reader.read(4096)
             except TimeoutError:
                 raise _Reject(408, "request not received in time") from None
+            received += len(data)
+            if head and received > self.limits.max_head_bytes:
+                raise _Reject(431, "request head too large")
             conn.receive_data(data)
 
     async def _read_body(
@@ -247,7 +278,8 @@ class HealthServer:
             ("Content-Length", str(len(response.body))),
             *response.headers,
         ]
-        out = conn.send(h11.Response(status_code=response.status, headers=headers)) or b""
+        phrase = HTTPStatus(response.status).phrase.encode()
+        out = conn.send(h11.Response(status_code=response.status, headers=headers, reason=phrase)) or b""
         if request.method != b"HEAD":
             out += conn.send(h11.Data(data=response.body)) or b""
         out += conn.send(h11.EndOfMessage()) or b""
@@ -269,21 +301,12 @@ def _json(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
 
 
-_REASONS = {
-    400: "Bad Request",
-    408: "Request Timeout",
-    413: "Content Too Large",
-    431: "Request Header Fields Too Large",
-    503: "Service Unavailable",
-}
-
-
 def _raw(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
     """A last answer on a connection h11 can no longer frame (a broken request, one over a limit)."""
     body = _json({"error": reason})
     with contextlib.suppress(Exception):
         writer.write(
-            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
             + body
         )

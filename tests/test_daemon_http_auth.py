@@ -1,0 +1,238 @@
+"""/status (and /metrics when asked) behind TokenReview + SubjectAccessReview: the daemon's HTTP server and
+`kxpu status` against a stand-in API server over real HTTP (tests/kube_review_fake.py); e2e/test_http_auth.py
+does the same against the real API server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lightkube import AsyncClient, KubeConfig
+
+from kxpu.daemon.http import HealthServer
+from kxpu.kube.review import ReviewAuthorizer
+from kxpu.status import status_token
+from kxpu.testing.process import DaemonProcess
+from tests.kube_review_fake import FakeReviewApi, User
+from tests.test_daemon import simulated
+from tests.waiting import wait_until
+
+READER, STRANGER, REVIEWER = "reader-token", "stranger-token", "daemon-token"
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeReviewApi]:
+    fake = FakeReviewApi(
+        tokens={
+            READER: User("system:serviceaccount:kxpu:reader"),
+            STRANGER: User("system:serviceaccount:default:stranger"),
+            REVIEWER: User("system:serviceaccount:kxpu:kxpu"),
+        },
+        allowed={("system:serviceaccount:kxpu:reader", "/status", "get")},
+        reviewers={"system:serviceaccount:kxpu:kxpu"},
+    )
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+def _client(api: FakeReviewApi, token: str = REVIEWER) -> Callable[[], AsyncClient]:
+    return lambda: AsyncClient(config=KubeConfig.from_dict(api.kubeconfig(token)), field_manager="kxpu")
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., Any]]:
+    started: list[HealthServer] = []
+
+    async def start(authorize: Any, protect_metrics: bool = False) -> HealthServer:
+        http = HealthServer(
+            "127.0.0.1:0",
+            lambda: (True, {"ready": True}),
+            lambda: {"resources": {"example.com/npu": {"phase": "registered"}}},
+            authorize,
+            protect_metrics,
+        )
+        await http.start()
+        started.append(http)
+        return http
+
+    yield start
+    for http in started:
+        await http.stop()
+
+
+async def _get(port: int, path: str, token: str | None = None) -> tuple[int, dict[str, str], Any]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}\r\n".encode())
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    is_json = headers.get("content-type") == "application/json"
+    return int(lines[0].split()[1]), headers, json.loads(body) if is_json else body.decode()
+
+
+async def test_status_needs_a_token_whose_user_may_get_it(api: FakeReviewApi, serve: Any) -> None:
+    http = await serve(ReviewAuthorizer(_client(api)))
+
+    code, headers, body = await _get(http.port, "/status")
+    assert code == 401 and headers["www-authenticate"].startswith("Bearer")
+    assert api.token_reviews == 0  # nothing to review
+
+    code, _, body = await _get(http.port, "/status", "made-up")
+    assert code == 401 and "invalid bearer token" in body["error"]
+
+    code, _, body = await _get(http.port, "/status", STRANGER)
+    assert code == 403
+    assert body["error"] == 'user "system:serviceaccount:default:stranger" may not get /status'
+
+    code, _, body = await _get(http.port, "/status", READER)
+    assert code == 200 and body == {"resources": {"example.com/npu": {"phase": "registered"}}}
+    # What the API server was asked: the user TokenReview named, on the non-resource URL.
+    assert api.access_reviews[-1] == {
+        "user": "system:serviceaccount:kxpu:reader",
+        "uid": "uid-1",
+        "groups": ["system:authenticated"],
+        "nonResourceAttributes": {"path": "/status", "verb": "get"},
+    }
+
+    # Decisions are cached for a while: the same tokens again cost the API server nothing.
+    reviews = api.token_reviews
+    assert (await _get(http.port, "/status", READER))[0] == 200
+    assert (await _get(http.port, "/status", STRANGER))[0] == 403
+    assert api.token_reviews == reviews
+
+    # Probes and (by default) /metrics are never checked: the kubelet and Prometheus send no token.
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert (await _get(http.port, path))[0] == 200, path
+
+
+async def test_metrics_can_be_protected_too(api: FakeReviewApi, serve: Any) -> None:
+    api.allowed.add(("system:serviceaccount:kxpu:reader", "/metrics", "get"))
+    http = await serve(ReviewAuthorizer(_client(api)), protect_metrics=True)
+    assert (await _get(http.port, "/metrics"))[0] == 401
+    assert (await _get(http.port, "/metrics", STRANGER))[0] == 403
+    code, _, text = await _get(http.port, "/metrics", READER)
+    assert code == 200 and "# TYPE" in text
+    assert (await _get(http.port, "/healthz"))[0] == 200
+
+
+async def test_no_decision_without_the_api_server_is_503_and_not_cached(
+    api: FakeReviewApi, serve: Any
+) -> None:
+    """Fail closed, say why, and ask again next time."""
+    unreachable = ReviewAuthorizer(_client(FakeReviewApi(url="http://127.0.0.1:1")))
+    http = await serve(unreachable)
+    code, _, body = await _get(http.port, "/status", READER)
+    assert code == 503 and body["error"].startswith("cannot review the token with the API server: ")
+    assert (await _get(http.port, "/status", READER))[0] == 503
+    assert unreachable.reviews == 2
+
+    # The daemon's own account may not create reviews (the chart's RBAC missing): 503 naming the refusal.
+    forbidden = await serve(ReviewAuthorizer(_client(api, STRANGER)))
+    code, _, body = await _get(forbidden.port, "/status", READER)
+    assert code == 503 and 'cannot create resource "tokenreviews"' in body["error"]
+
+    # No API access at all (no service account, no kubeconfig): 503 with what to do.
+    none = await serve(ReviewAuthorizer(None, "no API access: use --http-auth=none"))
+    code, _, body = await _get(none.port, "/status", READER)
+    assert code == 503 and body == {"error": "no API access: use --http-auth=none"}
+
+
+def _kxpu_status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kxpu",
+            "status",
+            "--pod-resources-socket",
+            "/nonexistent.sock",
+            "-o",
+            "json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **(env or {})},
+    )
+
+
+async def test_kxpu_status_sends_a_token_to_a_daemon_that_checks_it(
+    api: FakeReviewApi,
+    write_config: Callable[..., Path],
+    daemons: Callable[..., Any],
+    workdir: Path,
+) -> None:
+    """The whole path: `kxpu plugin --http-auth kubernetes` with a kubeconfig (its account reviews tokens),
+    and `kxpu status` with --token-file, with its kubeconfig's token, and with none."""
+    daemon_kubeconfig = workdir / "daemon.kubeconfig"
+    daemon_kubeconfig.write_text(yaml.safe_dump(api.kubeconfig(REVIEWER)))
+    daemon: DaemonProcess = await daemons(
+        write_config([simulated()]), "--http-auth", "kubernetes", env={"KUBECONFIG": str(daemon_kubeconfig)}
+    )
+    await wait_until(lambda: "waiting for the kubelet" in daemon.log_text(), what="the daemon to start")
+    url = f"http://127.0.0.1:{daemon.http_port}"
+    token_file = workdir / "token"
+    token_file.write_text(READER + "\n")
+    reader_kubeconfig = workdir / "reader.kubeconfig"
+    reader_kubeconfig.write_text(yaml.safe_dump(api.kubeconfig(READER)))
+    empty_home = {"HOME": str(workdir), "KUBECONFIG": str(workdir / "none")}
+
+    def daemon_errors(result: subprocess.CompletedProcess[str]) -> list[str]:
+        return [e for e in json.loads(result.stdout)["errors"] if e.startswith("kxpu daemon")]
+
+    result = await asyncio.to_thread(
+        _kxpu_status, "--daemon", url, "--token-file", str(token_file), env=empty_home
+    )
+    assert daemon_errors(result) == [] and json.loads(result.stdout)["resources"] == {
+        "example.com/npu": "waiting-for-kubelet"
+    }
+    result = await asyncio.to_thread(
+        _kxpu_status, "--daemon", url, env={"KUBECONFIG": str(reader_kubeconfig)}
+    )
+    assert daemon_errors(result) == []
+    result = await asyncio.to_thread(_kxpu_status, "--daemon", url, env=empty_home)
+    assert daemon_errors(result) == [
+        f"kxpu daemon at {url}: 401 Unauthorized: a bearer token is needed (Authorization: Bearer <token>); "
+        "`kxpu status` sends one; pass a token with --token-file (by default the pod's service account token "
+        "is sent)"
+    ]
+    stranger = workdir / "stranger"
+    stranger.write_text(STRANGER)
+    result = await asyncio.to_thread(
+        _kxpu_status, "--daemon", url, "--token-file", str(stranger), env=empty_home
+    )
+    assert daemon_errors(result) == [
+        f'kxpu daemon at {url}: 403 Forbidden: user "system:serviceaccount:default:stranger" may not get /status; '
+        "that user needs RBAC `get` on the non-resource URL /status"
+    ]
+    result = await asyncio.to_thread(_kxpu_status, "--daemon", url, "--token-file", str(workdir / "missing"))
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == f"kxpu: error: --token-file {workdir / 'missing'}: No such file or directory"
+    )
+
+
+def test_a_token_goes_unasked_only_to_a_daemon_on_this_host(tmp_path: Path) -> None:
+    """/status is plain HTTP: a credential is sent to another host only when the user names it."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(FakeReviewApi(url="https://x").kubeconfig("secret")))
+    assert status_token("http://127.0.0.1:5978", None, kubeconfig) == "secret"
+    assert status_token("http://localhost:5978", None, kubeconfig) == "secret"
+    assert status_token("http://10.1.2.3:5978", None, kubeconfig) is None
+    token = tmp_path / "token"
+    token.write_text("chosen\n")
+    assert status_token("http://10.1.2.3:5978", token, kubeconfig) == "chosen"
