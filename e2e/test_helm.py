@@ -154,7 +154,7 @@ def test_helm_install_serves_devices(e2e: E2E, release: Cluster) -> None:
     kube.wait_resource(cluster, RESOURCE, allocatable=2, capacity=2)
 
     # The metrics endpoint the Service and ServiceMonitor point at, straight at the pod.
-    base = f"http://{pod['status']['podIP']}:9400"
+    base = f"http://{pod['status']['podIP']}:5978"
     with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
         metrics = resp.read().decode()
     assert f'kxpu_resource_registered{{resource="{RESOURCE}"}} 1.0' in metrics, metrics[-2000:]

@@ -31,7 +31,7 @@ from kxpu.testing.fake_nvml import FAKE_NVML_CONTROL_ENV, FAKE_NVML_ENV, FakeNvm
 GPU = "nvidia.com/gpu"
 PROFILE = "a100-8x"
 UUIDS = [g.uuid for g in FakeNvml(PROFILE).gpus]
-METRICS = "http://127.0.0.1:9400/metrics"  # kxpu plugin's default --http-address
+METRICS = "http://127.0.0.1:5978/metrics"  # kxpu plugin's default --http-address
 MIB = 2**20
 
 

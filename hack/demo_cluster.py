@@ -41,7 +41,7 @@ def demo(cluster: Cluster, work: Path) -> None:
     print(config.read_text())
     log = (work / "kxpu.log").open("ab")
     daemon = subprocess.Popen(
-        [str(KXPU), "plugin", "--config", str(config), "--http-address", HTTP],
+        [str(KXPU), "plugin", "--config", str(config), "--http-address", HTTP, "--http-auth", "none"],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,

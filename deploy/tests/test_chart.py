@@ -97,9 +97,9 @@ def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
     c = container(ds)
     assert c["image"] == "localhost/kxpu:0.1.0"
     assert c["args"][:2] == ["plugin", "--config=/etc/kxpu/config.yaml"]
-    assert {"--http-address=:9400", "--log-format=json", "--log-level=info"} <= set(c["args"])
+    assert {"--http-address=:5978", "--log-format=json", "--log-level=info"} <= set(c["args"])
     assert "--device-plugin-dir=/var/lib/kubelet/device-plugins" in c["args"]
-    assert c["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "metrics", "containerPort": 5978, "protocol": "TCP"}]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert pod["priorityClassName"] == "system-node-critical"
@@ -133,7 +133,7 @@ def test_headless_metrics_service(default: Rendered) -> None:
     ds = default.one("DaemonSet")
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["ports"] == [
-        {"name": "metrics", "port": 9400, "targetPort": "metrics", "protocol": "TCP"}
+        {"name": "metrics", "port": 5978, "targetPort": "metrics", "protocol": "TCP"}
     ]
     pod_labels = ds["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
