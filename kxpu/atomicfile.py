@@ -13,16 +13,19 @@ def write_atomically(path: Path, text: str, mode: int = 0o644, durable: bool = F
 
     ``durable``: the content is on disk before the rename and the rename is on disk before returning (fsync
     of the file, then of the directory), so a power loss leaves the old file or the new one, never an empty
-    one; for records that must survive (the DRA checkpoint), at the price of the disk's flush latency."""
+    one; for records that must survive (the DRA checkpoint), at the price of the disk's flush latency.
+
+    The file gets ``mode`` exactly (whatever the umask) on its open descriptor, before any content: never a
+    chmod by path, which follows whatever the name points to by then (a symlink put in its place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # O_EXCL, 0600
     try:
         with os.fdopen(fd, "w") as out:
+            os.fchmod(out.fileno(), mode)
             out.write(text)
             if durable:
                 out.flush()
                 os.fsync(out.fileno())
-        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -115,6 +116,7 @@ async def test_registers_publishes_prepares_and_reports_health(rig: Rig) -> None
     driver = await rig.kubelet.wait_registered(DRIVER)
     assert driver.service == "v1.DRAPlugin"
     assert driver.endpoint == str(rig.plugins / DRIVER / "dra.sock")
+    assert stat.S_IMODE((rig.plugins / DRIVER).stat().st_mode) == 0o750  # created so: no one else gets in
     await eventually(lambda: len(rig.pool()) == 4)
     assert rig.pool()[0]["attributes"]["model"] == {"string": "sim"}
     assert rig.pool()[0]["capacity"] == {"memory": {"value": "16Gi"}}

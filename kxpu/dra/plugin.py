@@ -87,7 +87,7 @@ class _Served:
 
     async def serve(self) -> None:
         await self.stop()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)  # the kubelet (root) dials in
         private = self.path.parent / f".kxpu-{os.getpid()}-{self.path.name}"
         if len(str(private).encode()) > MAX_SOCKET_PATH:
             private = self.path.parent / f".kxpu-{os.getpid()}.sock"
