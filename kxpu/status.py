@@ -88,12 +88,14 @@ class NodeStatus:
     devices: list[DeviceStatus]
     phases: dict[str, str]  # resource → daemon phase
     errors: list[str]
+    warnings: list[str] = field(default_factory=list)  # "<resource>: <setting doing nothing now>"
 
     def as_json(self) -> dict[str, Any]:
         return {
             "resources": self.phases,
             "devices": [d.as_json() for d in self.devices],
             "errors": self.errors,
+            "warnings": self.warnings,
         }
 
 
@@ -210,7 +212,8 @@ async def node_status(
         if resource in served or all_resources:
             devices.append(DeviceStatus(resource, device_id, "unknown", holders=holders))
     phases = {name: info.get("phase", "?") for name, info in served.items()}
-    return NodeStatus(devices, phases, errors)
+    warnings = [f"{name}: {w}" for name, info in sorted(served.items()) for w in info.get("warnings", [])]
+    return NodeStatus(devices, phases, errors, warnings)
 
 
 def _gib(value: int | None) -> str:
@@ -256,6 +259,7 @@ def format_table(status: NodeStatus) -> str:
     for name, phase in sorted(status.phases.items()):
         if phase != "registered":
             lines.append(f"note: {name} is {phase}")
+    lines += [f"warning: {w}" for w in status.warnings]
     lines += [f"error: {e}" for e in status.errors]
     return "\n".join(lines)
 

@@ -119,13 +119,30 @@ class GenericBackend(Backend):
         # Device ID → (group, host path); rebuilt by every discovery.
         self._where: dict[str, tuple[DeviceGroup, str]] = {}
         self._skipped: set[str] = set()  # matches that are not device nodes, warned about once
+        self._unmatched: list[str] = []  # globs that match nothing, warned about once (until they match)
+
+    def config_warnings(self) -> list[str]:
+        return [f"device glob {pattern} matches nothing" for pattern in self._unmatched]
 
     def discover(self) -> list[Device]:
         devices: list[Device] = []
         where: dict[str, tuple[DeviceGroup, str]] = {}
         skipped: set[str] = set()
+        unmatched: list[str] = []
         for group in self.config.groups:
-            for path in sorted({m for pattern in group.paths for m in glob.glob(pattern)}):
+            matches: set[str] = set()
+            for pattern in group.paths:
+                found = glob.glob(pattern)
+                matches.update(found)
+                if not found and pattern not in unmatched:
+                    unmatched.append(pattern)
+                    if pattern not in self._unmatched:
+                        log.warning(
+                            "device glob matches nothing: the resource serves no device from it until a path "
+                            "matches (a typo, or a driver not loaded?)",
+                            glob=pattern,
+                        )
+            for path in sorted(matches):
                 kind = _device_kind(path)
                 if isinstance(kind, str):
                     skipped.add(path)
@@ -157,6 +174,7 @@ class GenericBackend(Backend):
                     devices.append(Device(id=device_id, numa_nodes=numa, extra={"path": path}))
         self._where = where
         self._skipped = skipped
+        self._unmatched = unmatched
         return devices
 
     def _watched_dirs(self) -> list[Path]:

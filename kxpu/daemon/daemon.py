@@ -18,11 +18,13 @@ from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
 from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.http import Authorizer, HealthServer
+from kxpu.daemon.kubelet_wait import warn_while_no_kubelet
 from kxpu.daemon.registration import file_identity
 from kxpu.daemon.resource import BackendFactory, DraFactory, Phase, ResourceRunner, check_socket_paths
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.fswatch import directory_changes
 from kxpu.logs import error_text, get_logger, log_failure
+from kxpu.model import ConfigWarner, find_capability
 from kxpu.timeouts import wait_event
 
 if TYPE_CHECKING:
@@ -153,7 +155,10 @@ class Daemon:
                 self._start(resource)
             self._watcher = asyncio.create_task(self._watch_plugin_dir())
             resync = asyncio.create_task(self._resync())
-            background = [self._watcher, resync, *self._start_telemetry()]
+            no_kubelet = asyncio.create_task(
+                warn_while_no_kubelet(lambda: self.config.device_plugin_dir, self._waiting_for_kubelet)
+            )
+            background = [self._watcher, resync, no_kubelet, *self._start_telemetry()]
             await self._stop.wait()
             log.info("stopping")
             for task in background:
@@ -250,6 +255,13 @@ class Daemon:
         ready = bool(phases) and all(p == Phase.REGISTERED for p in phases.values())
         return ready, {"ready": ready, "resources": phases}
 
+    def _waiting_for_kubelet(self) -> list[str]:
+        return [
+            name
+            for name, r in self._running.items()
+            if r.runner.dra is None and r.runner.phase is Phase.WAITING_FOR_KUBELET
+        ]
+
     def status(self) -> dict[str, Any]:
         """What this daemon serves, for `kxpu status` (answered on the event loop)."""
         resources: dict[str, Any] = {}
@@ -274,6 +286,14 @@ class Daemon:
             }
             if runner.dra is not None:
                 resources[name]["dra"] = runner.dra.describe()
+            backend = runner.backend
+            warner = (
+                find_capability(backend, ConfigWarner)  # type: ignore[type-abstract]  # mypy#4717
+                if backend is not None
+                else None
+            )
+            if warner is not None and (warnings := warner.config_warnings()):
+                resources[name]["warnings"] = warnings
         doc: dict[str, Any] = {"devicePluginDir": str(self.config.device_plugin_dir), "resources": resources}
         if self._telemetry is not None:
             doc["telemetry"] = self._telemetry.status()

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import errno
 import hashlib
 import itertools
 import os
+import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +77,9 @@ class Phase(enum.StrEnum):
     FAILED = "failed"
     STOPPED = "stopped"
 
+
+# A ServeError that persists (a directory kxpu may not write) is logged once, then at this interval.
+BLOCKED_RELOG_SECONDS = 600.0
 
 _HASH_HEX = 16
 _SHORTEST_NAME = len("kxpu-") + _HASH_HEX + len(".sock")  # a hashed socket name without a hint
@@ -322,6 +327,7 @@ class ResourceRunner:
         serve_backoff = Backoff(initial=0.5, maximum=10.0)
         waiting_logged = False
         blocked: str | None = None  # the last ServeError logged, so that a retry loop logs it once
+        blocked_relog = 0.0  # ... and again at this loop time if it still holds
         try:
             while True:
                 self._poked.clear()
@@ -351,10 +357,15 @@ class ResourceRunner:
                         # An obstacle in the directory (a directory where our socket goes): the backend keeps
                         # running, and the directory watch pokes us the moment the obstacle is gone.
                         self.phase = Phase.FAILED
-                        if str(exc) != blocked:
-                            blocked = str(exc)
+                        now = asyncio.get_running_loop().time()
+                        if (
+                            str(exc) != blocked or now >= blocked_relog
+                        ):  # once, then every BLOCKED_RELOG_SECONDS
+                            blocked, blocked_relog = str(exc), now + BLOCKED_RELOG_SECONDS
                             metrics.RESOURCE_FAILURES.labels(self.config.name).inc()
                             self.log.error("cannot serve; retrying when the directory changes", error=blocked)
+                        else:
+                            self.log.debug("still cannot serve", error=blocked)
                         await self._wait_poke(serve_backoff.next_delay())
                         continue
                     blocked = None
@@ -423,6 +434,7 @@ class ResourceRunner:
         bound = self.plugin_dir / f".kxpu-{os.getpid()}-{next(_bind_serial)}"
         with contextlib.suppress(FileNotFoundError):
             bound.unlink()
+        _check_bindable(self.plugin_dir, bound)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
         try:
@@ -446,6 +458,27 @@ class ResourceRunner:
 
     async def _wait_poke(self, timeout: float) -> None:
         await wait_event(self._poked, timeout)
+
+
+def _check_bindable(directory: Path, path: Path) -> None:
+    """Bind a plain socket where gRPC is about to: gRPC's failure says only "Failed to bind" (and prints a line
+    of its own at each try), while the operator needs the system's reason, e.g. Permission denied."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(str(path))
+    except OSError as exc:
+        hint = (
+            " (kxpu needs to create its sockets there: run it as root or as the directory's owner)"
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+            else ""
+        )
+        raise ServeError(
+            f"cannot create a socket in the device-plugin directory {directory}: {exc.strerror or exc}{hint}"
+        ) from None
+    finally:
+        probe.close()
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
 
 
 def _stop_requested() -> bool:

@@ -153,6 +153,13 @@ class Partitioner(Protocol):
 
 
 @runtime_checkable
+class ConfigWarner(Protocol):
+    """Settings accepted but doing nothing now (a device glob that matches no path), for the daemon's /status."""
+
+    def config_warnings(self) -> list[str]: ...
+
+
+@runtime_checkable
 class Wrapper(Protocol):
     """Decorates another backend (CDI, fractional sharing): ``inner`` is the one it wraps."""
 
