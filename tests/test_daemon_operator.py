@@ -9,7 +9,7 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,7 @@ async def test_no_kubelet_is_warned_about_naming_the_path_then_less_often(
         began = loop.time()
         try:
 
-            def warnings() -> list[dict[str, Any]]:
+            def warnings() -> list[MutableMapping[str, Any]]:
                 return [
                     e for e in logs if e["log_level"] == "warning" and e["event"].startswith("no kubelet")
                 ]
