@@ -85,7 +85,15 @@ def test_helm_lint(helm: Path, values: list[str]) -> None:
 
 def test_default_objects(default: Rendered) -> None:
     kinds = sorted(d["kind"] for d in default.docs)
-    assert kinds == ["ConfigMap", "DaemonSet", "Service", "ServiceAccount"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "DaemonSet",
+        "Service",
+        "ServiceAccount",
+    ]
     for doc in default.docs:
         assert doc["metadata"]["namespace"] == "kxpu-system", doc["metadata"]["name"]
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "kxpu"
@@ -97,7 +105,9 @@ def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
     c = container(ds)
     assert c["image"] == "localhost/kxpu:0.1.0"
     assert c["args"][:2] == ["plugin", "--config=/etc/kxpu/config.yaml"]
-    assert {"--http-address=:5978", "--log-format=json", "--log-level=info"} <= set(c["args"])
+    assert {"--http-address=:5978", "--http-auth=kubernetes", "--log-format=json", "--log-level=info"} <= set(
+        c["args"]
+    )
     assert "--device-plugin-dir=/var/lib/kubelet/device-plugins" in c["args"]
     assert c["ports"] == [{"name": "metrics", "containerPort": 5978, "protocol": "TCP"}]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
@@ -109,7 +119,7 @@ def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
     # The runtime cannot create /dev/termination-log in the host's read-only /dev.
     assert c["terminationMessagePath"].startswith("/tmp/")
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
-    assert pod["automountServiceAccountToken"] is False
+    assert pod["automountServiceAccountToken"] is True  # to review the tokens sent to /status
     sc = c["securityContext"]
     assert sc["privileged"] is True and sc["runAsUser"] == 0 and sc["readOnlyRootFilesystem"] is True
     # One DaemonSet, so it runs on every node: no node-config affinity.
@@ -123,9 +133,32 @@ def test_config_is_the_values_config(default: Rendered) -> None:
     parse_config(config, "values.yaml config")  # what kxpu would load: valid, not just YAML
 
 
-def test_no_rbac_by_default(default: Rendered) -> None:
-    assert not default.kinds("ClusterRole") and not default.kinds("Role")
-    assert default.one("ServiceAccount")["automountServiceAccountToken"] is False
+def test_default_rbac_only_reviews_tokens_for_status(default: Rendered) -> None:
+    """TokenReview + SubjectAccessReview (system:auth-delegator) for /status' callers, and `get` on /status
+    itself for `kubectl exec <daemon pod> -- kxpu status`; nothing else."""
+    assert not default.kinds("Role")
+    reader = default.one("ClusterRole", "kxpu-status-reader")
+    assert reader["rules"] == [{"nonResourceURLs": ["/status"], "verbs": ["get"]}]
+    assert sorted(bound_roles(default, "kxpu-plugin")) == [
+        "ClusterRole/kxpu-status-reader",
+        "ClusterRole/system:auth-delegator",
+    ]
+    assert default.one("ServiceAccount")["automountServiceAccountToken"] is False  # the pod decides
+
+
+def test_no_api_access_with_http_auth_none(helm: Path) -> None:
+    rendered = template(helm, "--set", "plugin.httpAuth=none")
+    assert not rendered.kinds("ClusterRole") and not rendered.kinds("ClusterRoleBinding")
+    ds = rendered.one("DaemonSet")
+    assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert "--http-auth=none" in container(ds)["args"]
+
+
+def test_metrics_auth_makes_prometheus_send_its_token(helm: Path) -> None:
+    rendered = template(helm, "--set", "plugin.httpAuthMetrics=true", "--set", "serviceMonitor.enabled=true")
+    assert "--http-auth-metrics" in container(rendered.one("DaemonSet"))["args"]
+    (endpoint,) = rendered.one("ServiceMonitor", "kxpu-plugin")["spec"]["endpoints"]
+    assert endpoint["bearerTokenFile"] == "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
 def test_headless_metrics_service(default: Rendered) -> None:
@@ -266,8 +299,8 @@ def test_no_wildcards_in_any_role(default: Rendered, overrides: Rendered) -> Non
     for rendered in (default, overrides):
         for role in rendered.kinds("ClusterRole") + rendered.kinds("Role"):
             for rule in role["rules"]:
-                for field in ("apiGroups", "resources", "verbs"):
-                    assert "*" not in rule[field], (role["metadata"]["name"], rule)
+                for field in ("apiGroups", "resources", "nonResourceURLs", "verbs"):
+                    assert "*" not in rule.get(field, []), (role["metadata"]["name"], rule)
                 assert set(rule["verbs"]) <= {"get", "list", "watch", "patch"}, rule
 
 
@@ -419,12 +452,15 @@ def test_sharing_rbac_is_exact(sharing: Rendered) -> None:
     ]
     assert sorted(bound_roles(sharing, "kxpu-plugin")) == [
         "ClusterRole/kxpu-plugin-sharing",
+        "ClusterRole/kxpu-status-reader",
+        "ClusterRole/system:auth-delegator",
         "Role/kxpu-plugin-signing-key",
     ]
     assert not bound_roles(sharing, "kxpu-webhook")
     for role in sharing.kinds("ClusterRole") + sharing.kinds("Role"):
         for rule in role["rules"]:
-            assert not {"*"} & {*rule["apiGroups"], *rule["resources"], *rule["verbs"]}, rule
+            fields = ("apiGroups", "resources", "nonResourceURLs", "verbs")
+            assert not {"*"} & {value for f in fields for value in rule.get(f, [])}, rule
 
 
 def test_node_daemon_gets_its_node_name_and_the_key(sharing: Rendered) -> None:
