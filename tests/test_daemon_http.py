@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from kxpu.daemon.http import HealthServer, Limits
 from kxpu.testing.process import DaemonProcess
@@ -234,3 +235,27 @@ def test_a_taken_port_is_one_line_naming_it(write_config: Callable[..., Path]) -
         "process listens on that port; choose another with --http-address or KXPU_HTTP_ADDRESS, or an empty "
         "one to serve no HTTP)"
     ], result.stderr
+
+
+async def test_a_failing_handler_is_a_500_and_one_line() -> None:
+    def broken() -> dict[str, Any]:
+        raise KeyError("resource vanished")
+
+    http = HealthServer("127.0.0.1:0", _ready, broken)
+    await http.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            status, body = await _get(http.port, "/status")
+        assert status == 500 and json.loads(body) == {"error": "internal error (see the daemon's log)"}
+        assert (await _get(http.port, "/healthz"))[0] == 200
+    finally:
+        await http.stop()
+    errors = [e for e in logs if e["log_level"] == "error"]
+    assert errors == [
+        {
+            "event": "HTTP handler failed",
+            "error": "KeyError: 'resource vanished'",
+            "path": "/status",
+            "log_level": "error",
+        }
+    ]

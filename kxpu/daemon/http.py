@@ -27,7 +27,7 @@ import h11
 from prometheus_client import REGISTRY
 from prometheus_client.exposition import choose_encoder
 
-from kxpu.logs import get_logger
+from kxpu.logs import get_logger, log_failure
 
 log = get_logger("kxpu.daemon.http")
 
@@ -140,37 +140,43 @@ class HealthServer:
                     limit=self.limits.connections,
                     refused=self.refused,
                 )
-            await self._refuse(reader, writer)
+            _raw(writer, 503, "too many connections")
+            await self._linger(reader, writer)
             return
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        rejected: _Reject | None = None
         try:
             await self._serve(reader, writer)
         except _Reject as exc:
-            _raw(writer, exc.status, exc.reason)
+            rejected = exc
         except (TimeoutError, ConnectionError, h11.ProtocolError):
             pass  # slow, gone, or broken mid-way: nothing more to say to it
         except asyncio.CancelledError:
             pass  # stop() ends its own connection tasks; asyncio would log a cancelled one as an error
         finally:
             self._connections.discard(task)
-            if writer.transport.get_write_buffer_size():
-                writer.transport.abort()  # an unread response is not kept in memory
-            else:
-                writer.close()
+        if rejected is not None:
+            _raw(writer, rejected.status, rejected.reason)
+            await self._linger(reader, writer)
+        elif writer.transport.get_write_buffer_size():
+            writer.transport.abort()  # an unread response is not kept in memory
+        else:
+            writer.close()
 
-    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """503, then close. Closing a socket with the request unread would reset the connection and could
-        drop the answer, so up to ``connections`` refusals at once wait (briefly) for the client to take it;
-        past that, the connection is dropped outright."""
+    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Close after a last answer (503, 408, 413, ...). Closing with the client's bytes unread would reset
+        the connection and could drop the answer: so the answer is followed by a FIN and what the client still
+        sends is read (for at most a second), by at most ``connections`` closings at once; past that, the
+        connection is dropped outright. Not counted against the limit."""
         if self._lingering >= self.limits.connections:
             writer.transport.abort()
             return
         self._lingering += 1
         try:
-            _raw(writer, 503, "too many connections")
-            writer.write_eof()
+            if writer.can_write_eof():
+                writer.write_eof()
             async with asyncio.timeout(1.0):
                 while await reader.read(4096):
                     pass
@@ -199,7 +205,11 @@ class HealthServer:
             if not isinstance(request, h11.Request):
                 return  # closed between requests
             await self._read_body(conn, reader, deadline, request)
-            response = await self._respond(request)
+            try:
+                response = await self._respond(request)
+            except Exception as exc:  # a bug in a handler: one line, and a 500 rather than a dead connection
+                log_failure(log, "HTTP handler failed", exc, path=request.target.decode("latin-1")[:200])
+                response = _Response(500, _json({"error": "internal error (see the daemon's log)"}))
             await self._send(conn, writer, request, response)
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return  # MUST_CLOSE: the client asked for it, or spoke HTTP/1.0
