@@ -253,6 +253,7 @@ async def test_a_failing_handler_is_a_500_and_one_line() -> None:
     errors = [e for e in logs if e["log_level"] == "error"]
     assert errors == [
         {
+            "component": "kxpu.daemon.http",
             "event": "HTTP handler failed",
             "error": "KeyError: 'resource vanished'",
             "path": "/status",
