@@ -7,7 +7,8 @@ Either may be unreachable; what the other says is still shown, with the error.
 Cluster mode asks the API server: each node's extended resources (capacity, allocatable, and
 what its pods request), and for shared devices the published inventory joined with the
 assignments the extender wrote on pods (how much memory and compute each pod got on which
-device). lightkube is imported only there, so the node daemon never loads it.
+device). lightkube is imported only there and to read a kubeconfig's token for /status, so the node daemon
+never loads it through this module.
 """
 
 from __future__ import annotations
