@@ -210,23 +210,24 @@ def plugin(
 
 
 def _http_authorizer() -> Any:
-    """TokenReview + SubjectAccessReview through the API server (lightkube is imported only then). Without
-    API access the daemon still serves, and /status answers 503 saying why."""
-    from lightkube import ConfigError as KubeConfigError
-    from lightkube import KubeConfig
+    """TokenReview + SubjectAccessReview through the API server (lightkube is loaded at the first review).
+    Without API access the daemon still serves, and /status answers 503 saying why."""
+    from kxpu.kube.review import ReviewAuthorizer, api_access_problem
 
-    from kxpu.kube.client import make_client
-    from kxpu.kube.review import ReviewAuthorizer
-
-    try:
-        KubeConfig.from_env()  # what make_client uses: in-cluster service account, else $KUBECONFIG / ~/.kube/config
-    except (KubeConfigError, OSError) as exc:
-        reason = (
-            f"--http-auth=kubernetes, but this daemon has no API access to review tokens ({error_text(exc)}): "
-            "give it a service account token or a kubeconfig, or start it with --http-auth=none"
+    problem = api_access_problem()
+    if problem:
+        return ReviewAuthorizer(
+            None,
+            f"--http-auth=kubernetes, but this daemon has no API access to review tokens ({problem}): give it "
+            "a service account token or a kubeconfig, or start it with --http-auth=none",
         )
-        return ReviewAuthorizer(None, reason)
-    return ReviewAuthorizer(make_client)
+
+    def client() -> Any:
+        from kxpu.kube.client import make_client
+
+        return make_client()
+
+    return ReviewAuthorizer(client)
 
 
 def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any) -> Any:

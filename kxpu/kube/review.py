@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kxpu.logs import error_text, get_logger
@@ -25,6 +28,21 @@ ALLOWED_TTL_SECONDS = 10.0  # how long a token keeps a decision: a revoked bindi
 DENIED_TTL_SECONDS = 10.0
 CACHE_ENTRIES = 1024
 CONCURRENT_REVIEWS = 4
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def api_access_problem() -> str:
+    """Why this process could not reach the API server with its own credentials ("" when it has some), as
+    lightkube's KubeConfig.from_env looks for them, without importing lightkube (~4 MiB on every node
+    before anyone asks for /status): the pod's service account, else $KUBECONFIG or ~/.kube/config."""
+    if Path(SERVICE_ACCOUNT_DIR, "token").is_file():
+        return ""
+    kubeconfig = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(
+        Path.home() / ".kube" / "config"
+    )
+    if Path(kubeconfig).expanduser().is_file():
+        return ""
+    return f"no service-account token in {SERVICE_ACCOUNT_DIR} and no kubeconfig at {kubeconfig}"
 
 
 class ReviewAuthorizer:
@@ -70,6 +88,10 @@ class ReviewAuthorizer:
         self._cache[key] = (now + ttl, decision)
 
     async def _review(self, token: str, path: str, verb: str) -> tuple[int, str]:
+        if self._client is None and self._client_factory is not None:
+            # lightkube is loaded on the first review, off the event loop (a few hundred ms on a busy node)
+            await asyncio.to_thread(importlib.import_module, "lightkube.resources.authorization_v1")
+            await asyncio.to_thread(importlib.import_module, "lightkube.resources.authentication_v1")
         from lightkube.models.authentication_v1 import TokenReviewSpec
         from lightkube.models.authorization_v1 import NonResourceAttributes, SubjectAccessReviewSpec
         from lightkube.resources.authentication_v1 import TokenReview
