@@ -236,3 +236,24 @@ def test_a_token_goes_unasked_only_to_a_daemon_on_this_host(tmp_path: Path) -> N
     token = tmp_path / "token"
     token.write_text("chosen\n")
     assert status_token("http://10.1.2.3:5978", token, kubeconfig) == "chosen"
+
+
+async def test_a_daemon_without_api_access_says_so_once_and_answers_503(
+    write_config: Callable[..., Path], daemons: Callable[..., Any], workdir: Path
+) -> None:
+    nowhere = {"HOME": str(workdir), "KUBECONFIG": str(workdir / "no-kubeconfig")}
+    daemon: DaemonProcess = await daemons(
+        write_config([simulated()]), "--http-auth", "kubernetes", env=nowhere
+    )
+    await wait_until(lambda: "waiting for the kubelet" in daemon.log_text(), what="the daemon to start")
+    assert (await daemon.http_get("/status"))[0] == 401  # no token sent: that is said first
+    code, _, body = await _get(daemon.http_port, "/status", READER)
+    reason = (
+        "--http-auth=kubernetes, but this daemon has no API access to review tokens (no service-account token "
+        f"in /var/run/secrets/kubernetes.io/serviceaccount and no kubeconfig at {workdir / 'no-kubeconfig'}): "
+        "give it a service account token or a kubeconfig, or start it with --http-auth=none"
+    )
+    assert code == 503 and body == {"error": reason}
+    lines = [line for line in daemon.log_text().splitlines() if "no API access" in line]
+    assert len(lines) == 1 and "level=warning" in lines[0] and json.dumps(reason)[1:-1] in lines[0], lines
+    assert (await daemon.http_get("/healthz"))[0] == 200
