@@ -98,7 +98,7 @@ class HealthServer:
         self.refused = 0  # connections turned away at the limit
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[Any]] = set()
-        self._lingering = 0  # refused connections still being closed
+        self._lingering = 0  # connections being closed after a last answer (_linger)
 
     @property
     def connections(self) -> int:
@@ -278,7 +278,7 @@ class HealthServer:
             return _Response(200 if ready else 503, _json(detail))
         if path == "/status":
             return _Response(200, _json(self.status()))
-        return _Response(404, _json({"error": f"no such path {path}"}))
+        return _Response(404, _json({"error": f"no such path {path[:200]}"}))
 
     async def _send(
         self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request, response: _Response
