@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import tarfile
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,6 +161,17 @@ def test_helm_install_serves_devices(e2e: E2E, release: Cluster) -> None:
     assert f'kxpu_resource_registered{{resource="{RESOURCE}"}} 1.0' in metrics, metrics[-2000:]
     with urllib.request.urlopen(f"{base}/readyz", timeout=5) as resp:
         assert resp.status == 200
+    # /status is checked (plugin.httpAuth: kubernetes): no token, 401; `kxpu status` in the pod sends the pod's
+    # own token, which the daemon has the API server review through the chart's RBAC.
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{base}/status", timeout=5)
+    assert refused.value.code == 401
+    out = cluster.kubectl(
+        "exec", "-n", NAMESPACE, pod["metadata"]["name"], "--", "kxpu", "status", "-o", "json"
+    )
+    doc = json.loads(out)
+    assert not [e for e in doc["errors"] if e.startswith("kxpu daemon")], doc["errors"]
+    assert doc["resources"] == {RESOURCE: "registered"}
 
     workload = e2e.pod(
         "helm-one", 'echo "SIM_VISIBLE_DEVICES=$SIM_VISIBLE_DEVICES"\necho end-of-report', {RESOURCE: 1}
