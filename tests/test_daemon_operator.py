@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import sys
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
@@ -146,6 +147,23 @@ async def test_a_glob_matching_nothing_is_warned_once_and_shown_in_status(
         assert status == 200
         doc = json.loads((await daemon.http_get("/status"))[1])
         assert doc["resources"]["example.com/fpga"]["warnings"] == [f"device glob {typo} matches nothing"]
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                "-m",
+                "kxpu",
+                "status",
+                "--daemon",
+                f"http://127.0.0.1:{daemon.http_port}",
+                "--pod-resources-socket",
+                str(workdir / "none.sock"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert f"warning: example.com/fpga: device glob {typo} matches nothing" in shown.stdout.splitlines()
         os.mknod(dev / "fpga1", 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # a rescan: still not warned again
         await kubelet.wait_devices("example.com/fpga", lambda d: len(d) == 2)
         lines = [line for line in daemon.log_text().splitlines() if "device glob matches nothing" in line]
