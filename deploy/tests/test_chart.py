@@ -95,7 +95,8 @@ def test_default_objects(default: Rendered) -> None:
         "ServiceAccount",
     ]
     for doc in default.docs:
-        assert doc["metadata"]["namespace"] == "kxpu-system", doc["metadata"]["name"]
+        if doc["kind"] in NAMESPACED:
+            assert doc["metadata"]["namespace"] == "kxpu-system", doc["metadata"]["name"]
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "kxpu"
 
 
