@@ -17,6 +17,7 @@ import yaml
 from lightkube import AsyncClient, KubeConfig
 
 from kxpu.daemon.http import HealthServer
+from kxpu.kube import review
 from kxpu.kube.review import ReviewAuthorizer
 from kxpu.status import status_token
 from kxpu.testing.process import DaemonProcess
@@ -257,3 +258,29 @@ async def test_a_daemon_without_api_access_says_so_once_and_answers_503(
     lines = [line for line in daemon.log_text().splitlines() if "no API access" in line]
     assert len(lines) == 1 and "level=warning" in lines[0] and json.dumps(reason)[1:-1] in lines[0], lines
     assert (await daemon.http_get("/healthz"))[0] == 200
+
+
+async def test_an_api_server_that_does_not_answer_is_a_503_in_bounded_time(
+    serve: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection that hangs (no route to the Service IP, a stuck API server): the caller hears why."""
+    monkeypatch.setattr(review, "REVIEW_SECONDS", 0.5)
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # accepted, never answered
+
+    silence = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = silence.sockets[0].getsockname()[1]
+    http = await serve(ReviewAuthorizer(_client(FakeReviewApi(url=f"http://127.0.0.1:{port}"))))
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    code, _, body = await _get(http.port, "/status", READER)
+    assert (code, body) == (
+        503,
+        {"error": "cannot review the token with the API server: the API server did not answer within 0.5 s"},
+    )
+    assert loop.time() - began < 5
+    for writer in held:
+        writer.close()
+    silence.close()

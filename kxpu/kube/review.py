@@ -28,6 +28,9 @@ ALLOWED_TTL_SECONDS = 10.0  # how long a token keeps a decision: a revoked bindi
 DENIED_TTL_SECONDS = 10.0
 CACHE_ENTRIES = 1024
 CONCURRENT_REVIEWS = 4
+# A review not answered in this time is a 503: a client (`kxpu status` waits 10 s) hears why rather than
+# timing out, and a stuck API connection does not hold the request's slot.
+REVIEW_SECONDS = 5.0
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
@@ -88,46 +91,56 @@ class ReviewAuthorizer:
         self._cache[key] = (now + ttl, decision)
 
     async def _review(self, token: str, path: str, verb: str) -> tuple[int, str]:
-        if self._client is None and self._client_factory is not None:
-            # lightkube is loaded on the first review, off the event loop (a few hundred ms on a busy node)
-            await asyncio.to_thread(importlib.import_module, "lightkube.resources.authorization_v1")
-            await asyncio.to_thread(importlib.import_module, "lightkube.resources.authentication_v1")
+        if self._client_factory is None:
+            return 503, self.problem or "this daemon has no API access to review tokens"
+        try:
+            if self._client is None:
+                # lightkube is loaded on the first review, off the event loop (a few hundred ms on a busy node)
+                await asyncio.to_thread(importlib.import_module, "lightkube.resources.authorization_v1")
+                await asyncio.to_thread(importlib.import_module, "lightkube.resources.authentication_v1")
+                self._client = self._client_factory()
+            self.reviews += 1
+            async with asyncio.timeout(REVIEW_SECONDS):
+                decision = await self._ask(self._client, token, path, verb)
+        except TimeoutError:
+            return self._failed(f"the API server did not answer within {REVIEW_SECONDS:g} s")
+        except Exception as exc:  # the API server's refusal or the connection's failure
+            return self._failed(error_text(exc))
+        if self._failing:
+            log.info("token reviews work again")
+            self._failing = False
+        return decision
+
+    def _failed(self, reason: str) -> tuple[int, str]:
+        if not self._failing:  # said once until reviews work again
+            log.warning("cannot review a token with the API server; answering 503", error=reason)
+            self._failing = True
+        return 503, f"cannot review the token with the API server: {reason}"
+
+    @staticmethod
+    async def _ask(client: AsyncClient, token: str, path: str, verb: str) -> tuple[int, str]:
         from lightkube.models.authentication_v1 import TokenReviewSpec
         from lightkube.models.authorization_v1 import NonResourceAttributes, SubjectAccessReviewSpec
         from lightkube.resources.authentication_v1 import TokenReview
         from lightkube.resources.authorization_v1 import SubjectAccessReview
 
-        if self._client_factory is None:
-            return 503, self.problem or "this daemon has no API access to review tokens"
-        try:
-            if self._client is None:
-                self._client = self._client_factory()
-            self.reviews += 1
-            review = await self._client.create(TokenReview(spec=TokenReviewSpec(token=token)))
-            status = review.status
-            if status is None or not status.authenticated or status.user is None:
-                reason = (status.error if status is not None else None) or "the token is not valid"
-                return 401, f"not authenticated: {reason}"
-            user = status.user
-            access = await self._client.create(
-                SubjectAccessReview(
-                    spec=SubjectAccessReviewSpec(
-                        user=user.username,
-                        uid=user.uid,
-                        groups=user.groups,
-                        extra=user.extra,
-                        nonResourceAttributes=NonResourceAttributes(path=path, verb=verb),
-                    )
+        review = await client.create(TokenReview(spec=TokenReviewSpec(token=token)))
+        status = review.status
+        if status is None or not status.authenticated or status.user is None:
+            reason = (status.error if status is not None else None) or "the token is not valid"
+            return 401, f"not authenticated: {reason}"
+        user = status.user
+        access = await client.create(
+            SubjectAccessReview(
+                spec=SubjectAccessReviewSpec(
+                    user=user.username,
+                    uid=user.uid,
+                    groups=user.groups,
+                    extra=user.extra,
+                    nonResourceAttributes=NonResourceAttributes(path=path, verb=verb),
                 )
             )
-        except Exception as exc:  # the API server's refusal or the connection's failure
-            if not self._failing:
-                log.warning("cannot review a token with the API server; answering 503", error=error_text(exc))
-                self._failing = True
-            return 503, f"cannot review the token with the API server: {error_text(exc)}"
-        if self._failing:
-            log.info("token reviews work again")
-            self._failing = False
+        )
         if access.status is not None and access.status.allowed and not access.status.denied:
             return 200, ""
         why = access.status.reason if access.status is not None and access.status.reason else ""
