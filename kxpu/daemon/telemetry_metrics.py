@@ -20,8 +20,9 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from kxpu.daemon.telemetry import Snapshot
 
-DEVICE = ["resource", "device"]
-CONTAINER = ["resource", "device", "namespace", "pod", "container"]
+DEVICE = ["resource", "device", "vendor"]
+CONTAINER = ["resource", "device", "namespace", "pod", "container", "claim"]
+HOLDER = ["resource", "device", "namespace", "pod", "container", "claim"]
 
 ERRORS = Counter("kxpu_telemetry_errors", "Telemetry sources that could not be read, by source", ["source"])
 SAMPLE_SECONDS = Histogram(
@@ -56,6 +57,11 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
     "kxpu_device_ecc_errors": ("ECC errors since the driver loaded", "counter", [*DEVICE, "type"]),
     "kxpu_device_xid_errors": ("Xid errors seen since the backend started", "counter", [*DEVICE, "xid"]),
     "kxpu_device_processes": ("Processes with a context on the device", "gauge", DEVICE),
+    "kxpu_device_holder_info": (
+        "A container holding the device, through the device plugin or a DRA claim (value 1)",
+        "gauge",
+        HOLDER,
+    ),
     "kxpu_container_processes": ("A container's processes on a device", "gauge", CONTAINER),
     "kxpu_container_memory_used_bytes": ("Device memory a container's processes use", "gauge", CONTAINER),
     "kxpu_container_compute_utilization_ratio": (
@@ -108,7 +114,7 @@ class TelemetryCollector(Collector):
             key = (view.resource, view.usage.uuid)
             processes[key] = processes.get(key, 0) + 1
         for resource, d in snap.devices:
-            labels = [resource, d.uuid]
+            labels = [resource, d.uuid, d.vendor or ""]
             f["kxpu_device_info"].add_metric(
                 [*labels, "" if d.index is None else str(d.index), d.model or ""], 1
             )
@@ -129,6 +135,11 @@ class TelemetryCollector(Collector):
             for xid, count in sorted(d.xid_errors.items()):
                 f["kxpu_device_xid_errors"].add_metric([*labels, str(xid)], count)
             f["kxpu_device_processes"].add_metric(labels, processes.get((resource, d.uuid), 0))
+        for h in snap.holders:
+            for uuid in sorted(h.uuids):
+                f["kxpu_device_holder_info"].add_metric(
+                    [h.resource, uuid, h.namespace, h.pod, h.container, h.claim], 1
+                )
         for c in snap.containers:
             labels = list(c.key)
             f["kxpu_container_processes"].add_metric(labels, len(c.pids))
@@ -147,7 +158,7 @@ class TelemetryCollector(Collector):
                     )
 
 
-def forget_exceeded(key: tuple[str, str, str, str, str], kind: str) -> None:
+def forget_exceeded(key: tuple[str, str, str, str, str, str], kind: str) -> None:
     with contextlib.suppress(KeyError):
         EXCEEDED.remove(*key, kind)
 

@@ -42,6 +42,7 @@ class DeviceUsage:
     clocks_hz: Mapping[str, float] = field(default_factory=dict)  # e.g. {"sm": .., "memory": ..}
     ecc_errors: Mapping[str, int] = field(default_factory=dict)  # {"corrected": n, "uncorrected": n}
     xid_errors: Mapping[int, int] = field(default_factory=dict)  # Xid → times seen since the backend started
+    vendor: str | None = None  # the ``vendor`` label: nvidia, amd, hygon, ascend, gaudi, neuron, cambricon, …
 
 
 @dataclass(frozen=True, slots=True)

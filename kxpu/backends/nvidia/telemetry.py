@@ -87,6 +87,7 @@ class GpuSampler:
             uuid=gpu.uuid,
             index=gpu.index,
             model=gpu.name,
+            vendor="nvidia",
             compute_utilization=None if util is None else int(util.gpu) / 100,
             memory_bandwidth_utilization=None if util is None else int(util.memory) / 100,
             memory_used_bytes=None if memory is None else int(memory.used),
