@@ -56,6 +56,23 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
     "kxpu_device_clock_hertz": ("Current clock frequency", "gauge", [*DEVICE, "clock"]),
     "kxpu_device_ecc_errors": ("ECC errors since the driver loaded", "counter", [*DEVICE, "type"]),
     "kxpu_device_xid_errors": ("Xid errors seen since the backend started", "counter", [*DEVICE, "xid"]),
+    "kxpu_device_sensor_temperature_celsius": (
+        "Other temperature sensors of the device (junction, memory, …)",
+        "gauge",
+        [*DEVICE, "sensor"],
+    ),
+    "kxpu_device_engine_utilization_ratio": (
+        "Share of the last sample period an engine of the device was busy (vendor-specific engines)",
+        "gauge",
+        [*DEVICE, "engine"],
+    ),
+    "kxpu_device_memory_category_bytes": (
+        "Device memory in use by category (vendor-specific: code, tensors, …)",
+        "gauge",
+        [*DEVICE, "category"],
+    ),
+    "kxpu_device_health_code": ("The vendor's own health value (Ascend DCMI: 0 is healthy)", "gauge", DEVICE),
+    "kxpu_device_energy_joules": ("Energy the device used since the driver loaded", "counter", DEVICE),
     "kxpu_device_processes": ("Processes with a context on the device", "gauge", DEVICE),
     "kxpu_device_holder_info": (
         "A container holding the device, through the device plugin or a DRA claim (value 1)",
@@ -128,6 +145,16 @@ class TelemetryCollector(Collector):
             ):
                 if value is not None:
                     f[name].add_metric(labels, value)
+            for sensor, celsius in sorted(d.temperatures_celsius.items()):
+                f["kxpu_device_sensor_temperature_celsius"].add_metric([*labels, sensor], celsius)
+            for engine, ratio in sorted(d.engines.items()):
+                f["kxpu_device_engine_utilization_ratio"].add_metric([*labels, engine], ratio)
+            for category, size in sorted(d.memory_by_category.items()):
+                f["kxpu_device_memory_category_bytes"].add_metric([*labels, category], size)
+            if d.health_code is not None:
+                f["kxpu_device_health_code"].add_metric(labels, d.health_code)
+            if d.energy_joules is not None:
+                f["kxpu_device_energy_joules"].add_metric(labels, d.energy_joules)
             for clock, hz in sorted(d.clocks_hz.items()):
                 f["kxpu_device_clock_hertz"].add_metric([*labels, clock], hz)
             for kind, count in sorted(d.ecc_errors.items()):

@@ -43,6 +43,16 @@ class DeviceUsage:
     ecc_errors: Mapping[str, int] = field(default_factory=dict)  # {"corrected": n, "uncorrected": n}
     xid_errors: Mapping[int, int] = field(default_factory=dict)  # Xid → times seen since the backend started
     vendor: str | None = None  # the ``vendor`` label: nvidia, amd, hygon, ascend, gaudi, neuron, cambricon, …
+    # Vendor-specific extras, each one metric family with a label (docs/telemetry.md lists them per vendor):
+    temperatures_celsius: Mapping[str, float] = field(
+        default_factory=dict
+    )  # other sensors: junction, memory, …
+    engines: Mapping[str, float] = field(
+        default_factory=dict
+    )  # per engine utilization 0..1: aicore, vector, …
+    memory_by_category: Mapping[str, int] = field(default_factory=dict)  # bytes by what holds them (Neuron)
+    health_code: int | None = None  # the vendor's own health value (Ascend DCMI: 0 healthy)
+    energy_joules: float | None = None  # since the driver loaded
 
 
 @dataclass(frozen=True, slots=True)
