@@ -40,7 +40,9 @@ def by_index(usages: tuple[DeviceUsage, ...]) -> dict[int | None, DeviceUsage]:
     return {u.index: u for u in usages}
 
 
-def test_a_910b_reports_utilization_hbm_power_health_and_processes(machine: Callable[[str], FakeDcmi]) -> None:
+def test_a_910b_reports_utilization_hbm_power_health_and_processes(
+    machine: Callable[[str], FakeDcmi],
+) -> None:
     fake = machine("910b-8x")
     fake.set_usage(
         2,
@@ -68,7 +70,9 @@ def test_a_910b_reports_utilization_hbm_power_health_and_processes(machine: Call
     assert len(sample.devices) == 8
 
 
-def test_a_310p_without_hbm_reports_ddr_and_leaves_hbm_figures_out(machine: Callable[[str], FakeDcmi]) -> None:
+def test_a_310p_without_hbm_reports_ddr_and_leaves_hbm_figures_out(
+    machine: Callable[[str], FakeDcmi],
+) -> None:
     fake = machine("310p-4x")
     fake.set_usage(1, utilization={dcmi.UTILIZATION_AICORE: 20}, memory_used_mib=4096)
     npus = backend(fake)
@@ -90,5 +94,7 @@ def test_a_dropped_card_costs_its_figures_and_one_log_line(machine: Callable[[st
     dropped, other = by_index(second.devices)[5], by_index(second.devices)[4]
     assert dropped.power_watts is None and dropped.memory_used_bytes is None and dropped.health_code is None
     assert other.power_watts == 85.1 and by_index(first.devices)[4] == other
-    warned = [e["error"] for e in logs if e["event"] == "telemetry: a DCMI call failed; that figure is left out"]
+    warned = [
+        e["error"] for e in logs if e["event"] == "telemetry: a DCMI call failed; that figure is left out"
+    ]
     assert warned and all("-8012" in w for w in warned) and len(warned) == len(set(warned)), warned
