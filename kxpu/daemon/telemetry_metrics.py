@@ -73,6 +73,26 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
     ),
     "kxpu_device_health_code": ("The vendor's own health value (Ascend DCMI: 0 is healthy)", "gauge", DEVICE),
     "kxpu_device_energy_joules": ("Energy the device used since the driver loaded", "counter", DEVICE),
+    "kxpu_device_pcie_throughput_bytes_per_second": (
+        "PCIe throughput over the driver's last short sample (direction: tx, rx)",
+        "gauge",
+        [*DEVICE, "direction"],
+    ),
+    "kxpu_device_remapped_rows": (
+        "Memory rows remapped since the driver loaded (cause: correctable, uncorrectable errors)",
+        "gauge",
+        [*DEVICE, "cause"],
+    ),
+    "kxpu_device_row_remap": (
+        "1 while a row remap is pending, or has failed (state)",
+        "gauge",
+        [*DEVICE, "state"],
+    ),
+    "kxpu_device_clock_event_reason": (
+        "1 while this reason holds the device's clocks down (reason: sw_power_cap, hw_slowdown, …)",
+        "gauge",
+        [*DEVICE, "reason"],
+    ),
     "kxpu_device_processes": ("Processes with a context on the device", "gauge", DEVICE),
     "kxpu_device_holder_info": (
         "A container holding the device, through the device plugin or a DRA claim (value 1)",
@@ -155,6 +175,14 @@ class TelemetryCollector(Collector):
                 f["kxpu_device_health_code"].add_metric(labels, d.health_code)
             if d.energy_joules is not None:
                 f["kxpu_device_energy_joules"].add_metric(labels, d.energy_joules)
+            for direction, rate in sorted(d.pcie_bytes_per_second.items()):
+                f["kxpu_device_pcie_throughput_bytes_per_second"].add_metric([*labels, direction], rate)
+            for cause, rows in sorted(d.remapped_rows.items()):
+                f["kxpu_device_remapped_rows"].add_metric([*labels, cause], rows)
+            for state, on in sorted(d.row_remap.items()):
+                f["kxpu_device_row_remap"].add_metric([*labels, state], int(on))
+            for reason, on in sorted(d.clock_event_reasons.items()):
+                f["kxpu_device_clock_event_reason"].add_metric([*labels, reason], int(on))
             for clock, hz in sorted(d.clocks_hz.items()):
                 f["kxpu_device_clock_hertz"].add_metric([*labels, clock], hz)
             for kind, count in sorted(d.ecc_errors.items()):

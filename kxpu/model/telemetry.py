@@ -53,6 +53,10 @@ class DeviceUsage:
     memory_by_category: Mapping[str, int] = field(default_factory=dict)  # bytes by what holds them (Neuron)
     health_code: int | None = None  # the vendor's own health value (Ascend DCMI: 0 healthy)
     energy_joules: float | None = None  # since the driver loaded
+    pcie_bytes_per_second: Mapping[str, float] = field(default_factory=dict)  # {"tx": .., "rx": ..}
+    remapped_rows: Mapping[str, int] = field(default_factory=dict)  # {"correctable": n, "uncorrectable": n}
+    row_remap: Mapping[str, bool] = field(default_factory=dict)  # {"pending": .., "failure": ..}
+    clock_event_reasons: Mapping[str, bool] = field(default_factory=dict)  # why clocks are held down now
 
 
 @dataclass(frozen=True, slots=True)

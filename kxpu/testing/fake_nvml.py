@@ -226,6 +226,11 @@ class FakeGpu:
     )
     ecc_supported: bool = True
     ecc_errors: dict[tuple[int, int], int] = field(default_factory=dict)  # (error type, counter type) → count
+    energy_mj: int = 1_234_567_000  # nvmlDeviceGetTotalEnergyConsumption: mJ since the driver loaded
+    pcie_kbps: tuple[int, int] = (0, 0)  # nvmlDeviceGetPcieThroughput: (TX, RX) KB/s over the last 20 ms
+    # nvmlDeviceGetRemappedRows: (correctable rows, uncorrectable rows, pending, failure); Ampere and newer
+    remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
+    clocks_event_reasons: int = pynvml.nvmlClocksEventReasonGpuIdle
 
 
 @dataclass
@@ -1065,6 +1070,30 @@ class FakeNvml:
         if not gpu.ecc_supported:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return gpu.ecc_errors.get((errorType, counterType), 0)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeHandle) -> int:
+        gpu = self._whole(handle)
+        if gpu.cuda_cc < (7, 0):
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # Volta and newer
+        return gpu.energy_mj
+
+    def nvmlDeviceGetPcieThroughput(self, device: FakeHandle, counter: int) -> int:
+        gpu = self._whole(device)
+        if counter not in (pynvml.NVML_PCIE_UTIL_TX_BYTES, pynvml.NVML_PCIE_UTIL_RX_BYTES):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.pcie_kbps[counter]
+
+    def nvmlDeviceGetRemappedRows(self, device: FakeHandle) -> tuple[int, int, int, int]:
+        gpu = self._whole(device)
+        if gpu.cuda_cc < (8, 0):
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # row remapping: Ampere and newer
+        return gpu.remapped_rows
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeHandle) -> int:
+        return self._whole(handle).clocks_event_reasons
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:
+        return self._whole(handle).clocks_event_reasons
 
     def nvmlDeviceGetComputeMode(self, handle: FakeHandle) -> int:
         return self._whole(handle).compute_mode

@@ -8,6 +8,13 @@ with each process's SM share since the previous sample (``nvmlDeviceGetProcessUt
 process inside a MIG instance is reported under that MIG device's UUID. Figures a GPU does not offer
 (utilization in MIG mode, ECC on boards without it) are left out; a GPU that stops answering is
 reported without figures rather than failing the sample. Xid counts come from the health thread.
+
+What operators use dcgm-exporter for, each named with the DCGM field it corresponds to (docs/telemetry.md):
+energy (``nvmlDeviceGetTotalEnergyConsumption``, mJ: DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION), PCIe throughput
+(``nvmlDeviceGetPcieThroughput``, KB/s over 20 ms: DCGM_FI_DEV_PCIE_TX_THROUGHPUT / _RX_), remapped rows
+(``nvmlDeviceGetRemappedRows``: DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS, _UNCORRECTABLE_, DCGM_FI_DEV_ROW_REMAP_PENDING,
+_FAILURE) and the reasons clocks are held down (``nvmlDeviceGetCurrentClocksEventReasons``, or the older
+``…ThrottleReasons``: DCGM_FI_DEV_CLOCKS_EVENT_REASONS, a bitmask here split into one flag per reason).
 """
 
 from __future__ import annotations
@@ -23,6 +30,18 @@ from kxpu.model import DeviceUsage, ProcessUsage, TelemetrySample
 
 T = TypeVar("T")
 NO_INSTANCE = 0xFFFFFFFF
+# nvmlClocksEventReason* bits → the ``reason`` label
+CLOCK_EVENT_REASONS = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
 
 
 class GpuSampler:
@@ -83,6 +102,19 @@ class GpuSampler:
             )
             if count is not None:
                 ecc[name] = int(count)
+        energy = self._read(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(h))
+        pcie = {
+            direction: float(kbps) * 1024
+            for direction, counter in (("tx", "NVML_PCIE_UTIL_TX_BYTES"), ("rx", "NVML_PCIE_UTIL_RX_BYTES"))
+            if (kbps := self._read(partial(nvml.nvmlDeviceGetPcieThroughput, h, getattr(nvml, counter))))
+            is not None
+        }
+        rows = self._read(lambda: nvml.nvmlDeviceGetRemappedRows(h))
+        reasons = None
+        for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+            call = getattr(nvml, name, None)  # the newer name is missing from older nvidia-ml-py
+            if call is not None and (reasons := self._read(partial(call, h))) is not None:
+                break
         return DeviceUsage(
             uuid=gpu.uuid,
             index=gpu.index,
@@ -97,6 +129,15 @@ class GpuSampler:
             clocks_hz=clocks,
             ecc_errors=ecc,
             xid_errors=dict(xids),
+            energy_joules=None if energy is None else int(energy) / 1000,
+            pcie_bytes_per_second=pcie,
+            remapped_rows={}
+            if rows is None
+            else {"correctable": int(rows[0]), "uncorrectable": int(rows[1])},
+            row_remap={} if rows is None else {"pending": bool(rows[2]), "failure": bool(rows[3])},
+            clock_event_reasons={}
+            if reasons is None
+            else {name: bool(int(reasons) & bit) for name, bit in CLOCK_EVENT_REASONS.items()},
         )
 
     def _processes(self, gpu: GpuInfo) -> list[ProcessUsage]:

@@ -1,0 +1,38 @@
+"""What operators use dcgm-exporter for, from the nvidia backend over the fake NVML (pynvml's names and shapes):
+energy, PCIe throughput, remapped rows, clock event reasons; absent where the GPU generation has no such figure."""
+
+from __future__ import annotations
+
+import pynvml
+
+from tests.nvidia_support import make
+
+
+def test_energy_pcie_remapped_rows_and_clock_reasons() -> None:
+    backend, fake = make("a100-8x")
+    try:
+        gpu = fake.gpus[2]
+        gpu.energy_mj, gpu.pcie_kbps, gpu.remapped_rows = 987_654_321, (2048, 512), (3, 1, 1, 0)
+        gpu.clocks_event_reasons = (
+            pynvml.nvmlClocksEventReasonSwPowerCap | pynvml.nvmlClocksEventReasonHwSlowdown
+        )
+        usage = next(u for u in backend.sample().devices if u.index == 2)
+        assert usage.energy_joules == 987_654.321
+        assert usage.pcie_bytes_per_second == {"tx": 2048 * 1024, "rx": 512 * 1024}
+        assert usage.remapped_rows == {"correctable": 3, "uncorrectable": 1}
+        assert usage.row_remap == {"pending": True, "failure": False}
+        held = {reason for reason, on in usage.clock_event_reasons.items() if on}
+        assert held == {"sw_power_cap", "hw_slowdown"}
+        assert len(usage.clock_event_reasons) == 9  # every reason reported, 0 when it does not hold
+    finally:
+        backend.close()
+
+
+def test_a_volta_has_no_row_remapping_and_it_is_absent() -> None:
+    backend, _ = make("v100-4x-nvlink")
+    try:
+        usage = backend.sample().devices[0]
+        assert usage.remapped_rows == {} and usage.row_remap == {}  # NOT_SUPPORTED before Ampere
+        assert usage.energy_joules is not None
+    finally:
+        backend.close()
