@@ -262,7 +262,7 @@ def test_the_kubelets_dra_checkpoint_is_read_as_it_writes_it() -> None:
         {
             "kind": "DRACheckpoint",
             "apiVersion": "checkpoint.dra.kubelet.k8s.io/v1",
-            "Entries": [
+            "ClaimInfoStateList": [
                 {
                     "ClaimUID": "c1",
                     "ClaimName": "a",

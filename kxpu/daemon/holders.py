@@ -189,13 +189,14 @@ ClaimPods = dict[str, frozenset[str]]  # claim UID → UIDs of the pods using it
 
 
 def parse_dra_state(text: str) -> ClaimPods:
-    """The kubelet's DRA checkpoint ``dra_manager_state`` (``pkg/kubelet/cm/dra/state``): ``{"Data": "<JSON:
-    {"kind": "DRACheckpoint", "apiVersion": "checkpoint.dra.kubelet.k8s.io/v1", "Entries": [{"ClaimUID",
-    "ClaimName", "Namespace", "PodUIDs": {"<uid>": {}}, "DriverState": …}]}>", "Checksum": <crc32>}``."""
+    """The kubelet's DRA checkpoint ``dra_manager_state`` (``pkg/kubelet/cm/dra/state``, Kubernetes 1.34 to 1.37):
+    ``{"Data": "<JSON: {"kind": "DRACheckpoint", "apiVersion": "checkpoint.dra.kubelet.k8s.io/v1",
+    "ClaimInfoStateList": [{"ClaimUID", "ClaimName", "Namespace", "PodUIDs": {"<uid>": {}}, "DriverState": …}]}>",
+    "Checksum": <crc32 of Data>}``."""
     try:
         doc = json.loads(text)
         data = json.loads(doc["Data"]) if isinstance(doc.get("Data"), str) else doc
-        raw_entries = data.get("Entries") or data.get("entries") or []
+        raw_entries = data.get("ClaimInfoStateList") or data.get("Entries") or data.get("entries") or []
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise HolderError(f"not a kubelet DRA checkpoint: {exc!r}") from None
     claims: ClaimPods = {}

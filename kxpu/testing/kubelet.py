@@ -407,7 +407,7 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
             {
                 "kind": "DRACheckpoint",
                 "apiVersion": "checkpoint.dra.kubelet.k8s.io/v1",
-                "Entries": list(entries.values()),
+                "ClaimInfoStateList": list(entries.values()),
             }
         )
         self.dra_state.parent.mkdir(parents=True, exist_ok=True)
