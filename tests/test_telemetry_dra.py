@@ -275,3 +275,44 @@ def test_the_kubelets_dra_checkpoint_is_read_as_it_writes_it() -> None:
         }
     )
     assert parse_dra_state(json.dumps({"Data": data, "Checksum": 1})) == {"c1": frozenset({"p1", "p2"})}
+
+
+async def test_a_container_that_starts_after_its_allocation_is_recorded_is_found(
+    workdir: Path, plugin_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet writes its checkpoint at Allocate, before the container runs; PodResources lists the container
+    only once it runs. Without a further change to any checkpoint, the holder still appears."""
+    from kxpu.config import parse_config
+    from kxpu.daemon import telemetry
+    from kxpu.daemon.telemetry import SourceView, TelemetrySampler
+    from kxpu.model import Device
+    from tests.test_telemetry import checkpoint
+
+    monkeypatch.setattr(telemetry, "PLACEMENT_SETTLE_EVERY_S", 0.0)
+    socket = workdir / "pr.sock"
+    kubelet = KubeletStandIn(plugin_dir, pod_resources_socket=socket)
+    await kubelet.start()
+    try:
+        (plugin_dir / "kubelet_internal_checkpoint").write_text(
+            checkpoint(("0b7c8f5e-3f0d-4d7e-8a1c-5d0c6b9e2a41", "main", "x.com/npu", ["n0"], None))
+        )
+        config = parse_config(
+            {
+                "version": "v1",
+                "devicePluginDir": str(plugin_dir),
+                "resources": [{"name": "x.com/npu", "simulated": {"count": 1}}],
+                "podResourcesSocket": str(socket),
+                "telemetry": {"enabled": True},
+            }
+        )
+        from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+
+        backend = SimulatedBackend(SimulatedConfig(count=1, model="n"))
+        views = [SourceView("x.com/npu", backend, {"n0": Device("n0", uuid="N0")})]
+        sampler = TelemetrySampler(lambda: config, lambda: views)
+        assert not (await sampler.tick()).holders  # recorded, not yet running
+        kubelet.assignments[("ml", "late", "main")] = [("x.com/npu", ["n0"])]  # the container starts
+        holders = (await sampler.tick()).holders
+        assert [(h.pod, h.container, h.uuids) for h in holders] == [("late", "main", frozenset({"N0"}))]
+    finally:
+        await kubelet.stop()

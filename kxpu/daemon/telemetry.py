@@ -46,6 +46,10 @@ log = get_logger("kxpu.daemon.telemetry")
 ContainerKey = tuple[str, str, str, str, str, str]  # resource, device UUID, namespace, pod, container, claim
 COMPUTE_MARGIN = 0.05  # per-process SM utilization is a sampled figure; don't flag noise as an excursion
 PLACEMENT_REFRESH_S = 60.0
+# The kubelet records an allocation (its checkpoints, the driver's prepared claims) before the container starts,
+# and PodResources lists the container only once it runs: for a while after a change, ask again every few seconds.
+PLACEMENT_SETTLE_S = 60.0
+PLACEMENT_SETTLE_EVERY_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +172,7 @@ class TelemetrySampler:
         self._placed = PodResourcesView()
         self._placed_at = 0.0
         self._placed_generation: tuple[int, int, frozenset[str]] | None = None
+        self._changed_at = 0.0  # when the kubelet's or a driver's records last changed
         self._logged_errors: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
 
@@ -267,14 +272,19 @@ class TelemetrySampler:
                 await asyncio.to_thread(dra_state.refresh)
             except HolderError as exc:
                 self._error(errors, "checkpoint", str(exc))
-        # PodResources is asked again when what the kubelet or a DRA driver recorded changed, and every minute.
+        # PodResources is asked again when what the kubelet or a DRA driver recorded changed, every few seconds for
+        # a minute after that (containers start after their allocation is recorded), and every minute.
         generation = (
             reader.generation,
             dra_state.generation if dra_state is not None else 0,
             frozenset(uid for v in dra_views for uid in v.claims),
         )
-        stale = time.monotonic() - self._placed_at > PLACEMENT_REFRESH_S
-        if generation != self._placed_generation or stale:
+        now = time.monotonic()
+        if generation != self._placed_generation:
+            self._changed_at = now
+        since_asked = now - self._placed_at
+        settling = now - self._changed_at < PLACEMENT_SETTLE_S and since_asked >= PLACEMENT_SETTLE_EVERY_S
+        if generation != self._placed_generation or since_asked > PLACEMENT_REFRESH_S or settling:
             try:
                 self._placed = await read_pod_resources(config.pod_resources_socket)
                 self._placed_generation = generation
