@@ -120,9 +120,10 @@ def test_dra_and_device_plugin_pods_carry_pod_container_and_claim(e2e: E2E, tmp_
     for pod in (whole, *shares):
         assert used[pod.name]["claim"] == claim_ref(pod) and used[pod.name]["container"] == "main", used
     assert used[plugin_pod.name]["claim"] == "" and used[plugin_pod.name]["container"] == "main"
-    # The share using 7000 MiB of its 6 GiB is over its grant; the other is not.
+    # The share using 7000 MiB of its 6 GiB is over its grant; the other is not. With shares on, the "whole" claim
+    # is a share too: it consumed the device's default, all of it (16 GiB, 100 cores).
     over = {c["pod"]: c["value"] for c in series(text, "kxpu_container_over_grant", kind="memory")}
-    assert over == {shares[0].name: "1.0", shares[1].name: "0.0"}, over
+    assert over == {shares[0].name: "1.0", shares[1].name: "0.0", whole.name: "0.0"}, over
     granted = series(text, "kxpu_container_memory_granted_bytes", pod=shares[0].name)
     assert float(granted[0]["value"]) == 6144 * MIB
 
