@@ -36,3 +36,31 @@ def test_a_volta_has_no_row_remapping_and_it_is_absent() -> None:
         assert usage.energy_joules is not None
     finally:
         backend.close()
+
+
+def test_hopper_gpm_counters_between_two_samples_and_none_before_hopper() -> None:
+    from kxpu.testing.fake_nvml import FakeNvml
+
+    fake = FakeNvml("h100-mig-dynamic")
+    fake.gpus[2].gpm = {2: 63.5, 5: 41.0, 10: 22.5, 1: 80.0}  # no SM occupancy: NOT_SUPPORTED, so absent
+    backend, _ = make(fake, migStrategy="none")
+    try:
+        first = {u.uuid: u for u in backend.sample().devices}[fake.gpus[2].uuid]
+        assert first.profiling == {}  # GPM needs two samples
+        second = {u.uuid: u for u in backend.sample().devices}[fake.gpus[2].uuid]
+        assert second.profiling == {
+            "sm_active": 0.635,
+            "tensor_active": 0.41,
+            "dram_active": 0.225,
+            "graphics_active": 0.8,
+        }
+        assert len(fake._gpm_samples) == 6  # two per GPU, kept between samples
+    finally:
+        backend.close()
+    assert not fake._gpm_samples  # freed before NVML shut down
+    volta, _ = make("v100-4x-nvlink")
+    try:
+        volta.sample()
+        assert all(u.profiling == {} for u in volta.sample().devices)
+    finally:
+        volta.close()

@@ -88,6 +88,11 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
         "gauge",
         [*DEVICE, "state"],
     ),
+    "kxpu_device_profiling_ratio": (
+        "Profiling counters over the last sample period, 0..1 (counter: sm_active, tensor_active, dram_active, …)",
+        "gauge",
+        [*DEVICE, "counter"],
+    ),
     "kxpu_device_clock_event_reason": (
         "1 while this reason holds the device's clocks down (reason: sw_power_cap, hw_slowdown, …)",
         "gauge",
@@ -181,6 +186,8 @@ class TelemetryCollector(Collector):
                 f["kxpu_device_remapped_rows"].add_metric([*labels, cause], rows)
             for state, on in sorted(d.row_remap.items()):
                 f["kxpu_device_row_remap"].add_metric([*labels, state], int(on))
+            for counter, ratio in sorted(d.profiling.items()):
+                f["kxpu_device_profiling_ratio"].add_metric([*labels, counter], ratio)
             for reason, on in sorted(d.clock_event_reasons.items()):
                 f["kxpu_device_clock_event_reason"].add_metric([*labels, reason], int(on))
             for clock, hz in sorted(d.clocks_hz.items()):

@@ -231,6 +231,8 @@ class FakeGpu:
     # nvmlDeviceGetRemappedRows: (correctable rows, uncorrectable rows, pending, failure); Ampere and newer
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
     clocks_event_reasons: int = pynvml.nvmlClocksEventReasonGpuIdle
+    # GPM (Hopper and newer): metric ID → the value nvmlGpmMetricsGet computes between two samples (percent)
+    gpm: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -500,6 +502,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self._initialized = 0
         self._event_sets: list[FakeEventSet] = []
+        self._gpm_samples: dict[int, tuple[Any, int | None]] = {}  # sample address → (sample, GPU it holds)
         self.calls: dict[str, int] = {}
         self._host_root: Path | None = None
         self._control: socket.socket | None = None
@@ -1094,6 +1097,52 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:
         return self._whole(handle).clocks_event_reasons
+
+    # GPM: opaque samples (pynvml's c_nvmlGpmSample_t pointers), filled by nvmlGpmSampleGet, compared by
+    # nvmlGpmMetricsGet; a GPU before Hopper is not a supported device.
+    def nvmlGpmQueryDeviceSupport(self, device: FakeHandle) -> Any:
+        gpu = self._whole(device)
+        return pynvml.c_nvmlGpmSupport_t(
+            version=pynvml.NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(gpu.cuda_cc >= (9, 0))
+        )
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        sample = ctypes.pointer(pynvml.struct_c_nvmlGpmSample_t())
+        self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value or 0] = (sample, None)
+        return sample
+
+    def _gpm_sample(self, sample: Any) -> int:
+        key = ctypes.cast(sample, ctypes.c_void_p).value if sample else None
+        if key is None or key not in self._gpm_samples:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return key
+
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        del self._gpm_samples[self._gpm_sample(gpmSample)]
+
+    def nvmlGpmSampleGet(self, device: FakeHandle, gpmSample: Any) -> Any:
+        gpu = self._whole(device)
+        if gpu.cuda_cc < (9, 0):
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        key = self._gpm_sample(gpmSample)
+        self._gpm_samples[key] = (self._gpm_samples[key][0], self.gpus.index(gpu))
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise _err(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        first = self._gpm_samples[self._gpm_sample(metricsGet.sample1)][1]
+        second = self._gpm_samples[self._gpm_sample(metricsGet.sample2)][1]
+        if first is None or first != second or not 0 < metricsGet.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        values = self.gpus[first].gpm
+        for i in range(metricsGet.numMetrics):
+            metric = metricsGet.metrics[i]
+            if metric.metricId in values:
+                metric.value, metric.nvmlReturn = values[metric.metricId], pynvml.NVML_SUCCESS
+            else:
+                metric.value, metric.nvmlReturn = 0.0, pynvml.NVML_ERROR_NOT_SUPPORTED
+        return metricsGet
 
     def nvmlDeviceGetComputeMode(self, handle: FakeHandle) -> int:
         return self._whole(handle).compute_mode

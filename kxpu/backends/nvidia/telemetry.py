@@ -14,7 +14,10 @@ energy (``nvmlDeviceGetTotalEnergyConsumption``, mJ: DCGM_FI_DEV_TOTAL_ENERGY_CO
 (``nvmlDeviceGetPcieThroughput``, KB/s over 20 ms: DCGM_FI_DEV_PCIE_TX_THROUGHPUT / _RX_), remapped rows
 (``nvmlDeviceGetRemappedRows``: DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS, _UNCORRECTABLE_, DCGM_FI_DEV_ROW_REMAP_PENDING,
 _FAILURE) and the reasons clocks are held down (``nvmlDeviceGetCurrentClocksEventReasons``, or the older
-``…ThrottleReasons``: DCGM_FI_DEV_CLOCKS_EVENT_REASONS, a bitmask here split into one flag per reason).
+``…ThrottleReasons``: DCGM_FI_DEV_CLOCKS_EVENT_REASONS, a bitmask here split into one flag per reason), and on
+Hopper and newer the GPM profiling counters between this sample and the previous one (``nvmlGpmSampleGet`` into
+two samples kept per GPU, ``nvmlGpmMetricsGet``): graphics engine, SM and tensor activity, SM occupancy, DRAM
+bandwidth (DCGM_FI_PROF_GR_ENGINE_ACTIVE, _SM_ACTIVE, _PIPE_TENSOR_ACTIVE, _SM_OCCUPANCY, _DRAM_ACTIVE).
 """
 
 from __future__ import annotations
@@ -44,12 +47,71 @@ CLOCK_EVENT_REASONS = {
 }
 
 
+# GPM metric IDs (NVML_GPM_METRIC_*) → the ``counter`` label; NVML gives percent
+GPM_METRICS = {
+    "graphics_active": 1,  # NVML_GPM_METRIC_GRAPHICS_UTIL
+    "sm_active": 2,  # NVML_GPM_METRIC_SM_UTIL
+    "sm_occupancy": 3,  # NVML_GPM_METRIC_SM_OCCUPANCY
+    "tensor_active": 5,  # NVML_GPM_METRIC_ANY_TENSOR_UTIL
+    "dram_active": 10,  # NVML_GPM_METRIC_DRAM_BW_UTIL
+}
+
+
 class GpuSampler:
     def __init__(self, nvml: Nvml, gpus: Sequence[GpuInfo], monitor: HealthMonitor | None) -> None:
         self.nvml = nvml
         self.gpus = [g for g in gpus if g.handle is not None and g.error is None]
         self.monitor = monitor
         self._last_seen_us: dict[str, int] = {}  # per GPU: newest process-utilization sample read
+        self._gpm: dict[str, list[Any]] = {}  # per GPU: [previous sample, next sample] (NVML's memory)
+        self._gpm_taken: set[str] = set()  # GPUs whose previous sample holds a reading
+        self._gpm_unsupported: set[str] = set()
+
+    def close(self) -> None:
+        """Free the GPM samples (call with NVML still up)."""
+        for samples in self._gpm.values():
+            for sample in samples:
+                self._read(partial(self.nvml.nvmlGpmSampleFree, sample))
+        self._gpm.clear()
+        self._gpm_taken.clear()
+
+    def _profiling(self, gpu: GpuInfo) -> dict[str, float]:
+        """GPM's counters between the previous sample and this one; none on the first, or before Hopper."""
+        nvml, h, key = self.nvml, gpu.handle, gpu.uuid
+        if key in self._gpm_unsupported or not hasattr(nvml, "nvmlGpmSampleGet"):
+            return {}
+        samples = self._gpm.get(key)
+        if samples is None:
+            support = self._read(lambda: nvml.nvmlGpmQueryDeviceSupport(h))
+            made = [self._read(nvml.nvmlGpmSampleAlloc) for _ in range(2)]
+            if support is None or not support.isSupportedDevice or None in made:
+                for sample in made:
+                    if sample is not None:
+                        self._read(partial(nvml.nvmlGpmSampleFree, sample))
+                self._gpm_unsupported.add(key)
+                return {}
+            samples = self._gpm[key] = made
+        previous, current = samples
+        if self._read(partial(nvml.nvmlGpmSampleGet, h, current)) is None:
+            return {}
+        samples.reverse()  # this sample is the previous one next time
+        if key not in self._gpm_taken:
+            self._gpm_taken.add(key)
+            return {}
+        request = nvml.c_nvmlGpmMetricsGet_t()
+        request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = previous, current
+        for i, metric in enumerate(GPM_METRICS.values()):
+            request.metrics[i].metricId = metric
+        got = self._read(partial(nvml.nvmlGpmMetricsGet, request))
+        if got is None:
+            return {}
+        return {
+            name: float(got.metrics[i].value) / 100
+            for i, name in enumerate(GPM_METRICS)
+            if got.metrics[i].nvmlReturn == nvml.NVML_SUCCESS
+        }
 
     def _read(self, call: Callable[[], T]) -> T | None:
         try:
@@ -138,6 +200,7 @@ class GpuSampler:
             clock_event_reasons={}
             if reasons is None
             else {name: bool(int(reasons) & bit) for name, bit in CLOCK_EVENT_REASONS.items()},
+            profiling=self._profiling(gpu),
         )
 
     def _processes(self, gpu: GpuInfo) -> list[ProcessUsage]:
