@@ -64,3 +64,27 @@ def test_hopper_gpm_counters_between_two_samples_and_none_before_hopper() -> Non
         assert all(u.profiling == {} for u in volta.sample().devices)
     finally:
         volta.close()
+
+
+def test_nvlink_data_bytes_summed_over_the_active_links() -> None:
+    from kxpu.testing.fake_nvml import FakeNvml
+
+    fake = FakeNvml("v100-4x-nvlink")
+    gpu = fake.gpus[1]
+    active = [n for n, remote in enumerate(gpu.nvlinks) if remote is not None]
+    assert len(active) >= 2
+    gpu.nvlink_kib = {link: (1000 * (n + 1), 10 * (n + 1)) for n, link in enumerate(active)}
+    backend, _ = make(fake)
+    try:
+        usage = {u.uuid: u for u in backend.sample().devices}
+        n = len(active)
+        total = n * (n + 1) // 2
+        assert usage[gpu.uuid].nvlink_bytes == {"tx": 1000 * total * 1024, "rx": 10 * total * 1024}
+        assert usage[fake.gpus[0].uuid].nvlink_bytes == {}  # its links report no counter: absent, not 0
+    finally:
+        backend.close()
+    a100, _ = make("a100-8x")  # no NVLink at all
+    try:
+        assert all(u.nvlink_bytes == {} for u in a100.sample().devices)
+    finally:
+        a100.close()

@@ -88,6 +88,11 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
         "gauge",
         [*DEVICE, "state"],
     ),
+    "kxpu_device_nvlink_bytes": (
+        "Data bytes over the device's active NVLinks since the driver loaded (direction: tx, rx)",
+        "counter",
+        [*DEVICE, "direction"],
+    ),
     "kxpu_device_profiling_ratio": (
         "Profiling counters over the last sample period, 0..1 (counter: sm_active, tensor_active, dram_active, …)",
         "gauge",
@@ -186,6 +191,8 @@ class TelemetryCollector(Collector):
                 f["kxpu_device_remapped_rows"].add_metric([*labels, cause], rows)
             for state, on in sorted(d.row_remap.items()):
                 f["kxpu_device_row_remap"].add_metric([*labels, state], int(on))
+            for direction, size in sorted(d.nvlink_bytes.items()):
+                f["kxpu_device_nvlink_bytes"].add_metric([*labels, direction], size)
             for counter, ratio in sorted(d.profiling.items()):
                 f["kxpu_device_profiling_ratio"].add_metric([*labels, counter], ratio)
             for reason, on in sorted(d.clock_event_reasons.items()):

@@ -57,9 +57,11 @@ class DeviceUsage:
     remapped_rows: Mapping[str, int] = field(default_factory=dict)  # {"correctable": n, "uncorrectable": n}
     row_remap: Mapping[str, bool] = field(default_factory=dict)  # {"pending": .., "failure": ..}
     clock_event_reasons: Mapping[str, bool] = field(default_factory=dict)  # why clocks are held down now
-    profiling: Mapping[str, float] = field(
+    nvlink_bytes: Mapping[str, int] = field(
         default_factory=dict
-    )  # 0..1 over the period: sm_active, tensor_active, …
+    )  # {"tx": .., "rx": ..} since the driver loaded
+    # profiling counters, 0..1 over the last period: sm_active, tensor_active, …
+    profiling: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

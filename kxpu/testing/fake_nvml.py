@@ -231,6 +231,8 @@ class FakeGpu:
     # nvmlDeviceGetRemappedRows: (correctable rows, uncorrectable rows, pending, failure); Ampere and newer
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
     clocks_event_reasons: int = pynvml.nvmlClocksEventReasonGpuIdle
+    # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX / _RX per link (scope ID): KiB since the driver loaded
+    nvlink_kib: dict[int, tuple[int, int]] = field(default_factory=dict)
     # GPM (Hopper and newer): metric ID → the value nvmlGpmMetricsGet computes between two samples (percent)
     gpm: dict[int, float] = field(default_factory=dict)
 
@@ -1097,6 +1099,27 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:
         return self._whole(handle).clocks_event_reasons
+
+    def nvmlDeviceGetFieldValues(self, handle: FakeHandle, fieldIds: list[Any]) -> Any:
+        """As pynvml: an array of c_nvmlFieldValue_t, each with its own nvmlReturn; ``fieldIds`` items are IDs or
+        (ID, scope ID) pairs. Only the NVLink data throughput fields are known here."""
+        gpu = self._whole(handle)
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        for i, requested in enumerate(fieldIds):
+            field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
+            value = values[i]
+            value.fieldId, value.scopeId, value.timestamp = field_id, scope, int(time.time() * 1e6)
+            direction = {
+                pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: 0,
+                pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: 1,
+            }.get(field_id)
+            if direction is None or scope not in gpu.nvlink_kib:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            value.value.ullVal = gpu.nvlink_kib[scope][direction]
+        return values
 
     # GPM: opaque samples (pynvml's c_nvmlGpmSample_t pointers), filled by nvmlGpmSampleGet, compared by
     # nvmlGpmMetricsGet; a GPU before Hopper is not a supported device.

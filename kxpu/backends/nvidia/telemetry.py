@@ -15,7 +15,8 @@ energy (``nvmlDeviceGetTotalEnergyConsumption``, mJ: DCGM_FI_DEV_TOTAL_ENERGY_CO
 (``nvmlDeviceGetRemappedRows``: DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS, _UNCORRECTABLE_, DCGM_FI_DEV_ROW_REMAP_PENDING,
 _FAILURE) and the reasons clocks are held down (``nvmlDeviceGetCurrentClocksEventReasons``, or the older
 ``…ThrottleReasons``: DCGM_FI_DEV_CLOCKS_EVENT_REASONS, a bitmask here split into one flag per reason), and on
-Hopper and newer the GPM profiling counters between this sample and the previous one (``nvmlGpmSampleGet`` into
+NVLink data bytes (``nvmlDeviceGetFieldValues`` with NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX / _RX per active link,
+KiB counters summed: DCGM_FI_PROF_NVLINK_TX_BYTES / _RX_ as a rate), and on Hopper and newer the GPM profiling counters between this sample and the previous one (``nvmlGpmSampleGet`` into
 two samples kept per GPU, ``nvmlGpmMetricsGet``): graphics engine, SM and tensor activity, SM occupancy, DRAM
 bandwidth (DCGM_FI_PROF_GR_ENGINE_ACTIVE, _SM_ACTIVE, _PIPE_TENSOR_ACTIVE, _SM_OCCUPANCY, _DRAM_ACTIVE).
 """
@@ -66,6 +67,7 @@ class GpuSampler:
         self._gpm: dict[str, list[Any]] = {}  # per GPU: [previous sample, next sample] (NVML's memory)
         self._gpm_taken: set[str] = set()  # GPUs whose previous sample holds a reading
         self._gpm_unsupported: set[str] = set()
+        self._nvlinks: dict[str, list[int]] = {}  # per GPU: its active NVLinks, asked once
 
     def close(self) -> None:
         """Free the GPM samples (call with NVML still up)."""
@@ -74,6 +76,34 @@ class GpuSampler:
                 self._read(partial(self.nvml.nvmlGpmSampleFree, sample))
         self._gpm.clear()
         self._gpm_taken.clear()
+
+    def _nvlink_bytes(self, gpu: GpuInfo) -> dict[str, int]:
+        """Data bytes over all active NVLinks since the driver loaded (per-link KiB counters summed)."""
+        nvml, h = self.nvml, gpu.handle
+        links = self._nvlinks.get(gpu.uuid)
+        if links is None:
+            enabled = int(getattr(nvml, "NVML_FEATURE_ENABLED", 1))
+            links = self._nvlinks[gpu.uuid] = [
+                link
+                for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)))
+                if self._read(partial(nvml.nvmlDeviceGetNvLinkState, h, link)) == enabled
+            ]
+        if not links or not hasattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"):
+            return {}
+        fields = [
+            (int(getattr(nvml, f"NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_{d}")), link)
+            for d in ("TX", "RX")
+            for link in links
+        ]
+        values = self._read(partial(nvml.nvmlDeviceGetFieldValues, h, fields))
+        if values is None:
+            return {}
+        totals: dict[str, int] = {}
+        for (field_id, _), value in zip(fields, values, strict=False):
+            if value.nvmlReturn == nvml.NVML_SUCCESS:
+                direction = "tx" if field_id == nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX else "rx"
+                totals[direction] = totals.get(direction, 0) + int(value.value.ullVal) * 1024
+        return totals
 
     def _profiling(self, gpu: GpuInfo) -> dict[str, float]:
         """GPM's counters between the previous sample and this one; none on the first, or before Hopper."""
@@ -201,6 +231,7 @@ class GpuSampler:
             if reasons is None
             else {name: bool(int(reasons) & bit) for name, bit in CLOCK_EVENT_REASONS.items()},
             profiling=self._profiling(gpu),
+            nvlink_bytes=self._nvlink_bytes(gpu),
         )
 
     def _processes(self, gpu: GpuInfo) -> list[ProcessUsage]:
