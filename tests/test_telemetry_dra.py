@@ -316,3 +316,29 @@ async def test_a_container_that_starts_after_its_allocation_is_recorded_is_found
         assert [(h.pod, h.container, h.uuids) for h in holders] == [("late", "main", frozenset({"N0"}))]
     finally:
         await kubelet.stop()
+
+
+def test_a_claim_shared_by_two_pods_is_settled_by_elimination() -> None:
+    """One ResourceClaim used by two pods: the kubelet's DRA checkpoint gives both pod UIDs, PodResources both
+    names; a pod known from the device plugin (or its other claim) leaves the other UID to the other pod."""
+    from kxpu.daemon.holders import ClaimPlacement, DraClaims, build_dra_holders
+    from kxpu.dra.checkpoint import PreparedClaim, PreparedDevice
+
+    claim = PreparedClaim("ml", "shared", None, (PreparedDevice(("npu",), NODE, "npu-0", "npu-0", ()),))
+    source = DraClaims(NPU, DRIVER, {"c-uid": claim}, {"npu-0": "NPU-0"})
+    placements = [
+        ClaimPlacement("ml", pod, "main", "ml", "shared", DRIVER, NODE, "npu-0")
+        for pod in ("first", "second")
+    ]
+    unsettled = build_dra_holders([source], placements, {"c-uid": frozenset({"u1", "u2"})})
+    assert {(h.pod, h.pod_uid, h.claim) for h in unsettled} == {
+        ("first", "", "ml/shared"),
+        ("second", "", "ml/shared"),
+    }
+    settled = build_dra_holders(
+        [source], placements, {"c-uid": frozenset({"u1", "u2"})}, {("ml", "first"): "u1"}
+    )
+    assert {(h.pod, h.pod_uid) for h in settled} == {("first", "u1"), ("second", "u2")}
+    # Another driver's claim of the same name, or a device of another pool, holds nothing of this resource.
+    other = [ClaimPlacement("ml", "x", "main", "ml", "shared", "gpu.other.com", NODE, "npu-0")]
+    assert build_dra_holders([source], other, {}) == []
