@@ -342,3 +342,33 @@ def test_a_claim_shared_by_two_pods_is_settled_by_elimination() -> None:
     # Another driver's claim of the same name, or a device of another pool, holds nothing of this resource.
     other = [ClaimPlacement("ml", "x", "main", "ml", "shared", "gpu.other.com", NODE, "npu-0")]
     assert build_dra_holders([source], other, {}) == []
+
+
+def test_partitions_made_for_claims_are_held_under_their_own_uuid() -> None:
+    """Two MIG-style partitions of one GPU, made for two claims at prepare: each holder names the partition's
+    UUID (kept in its release handle), not the GPU's, so a process the driver reports under the partition is
+    its claim's."""
+    from kxpu.daemon.holders import ClaimPlacement, DraClaims, build_dra_holders
+    from kxpu.dra.checkpoint import PreparedClaim, PreparedDevice
+
+    def prepared(device: str, uuid: str) -> PreparedClaim:
+        made = PreparedDevice(
+            ("gpu",), NODE, device, device, (), partition={"gpu": "GPU-0", "uuid": uuid, "gi": 1}
+        )
+        return PreparedClaim("ml", device, None, (made,))
+
+    claims = {"u-a": prepared("gpu-0-mig-1g-a", "MIG-a"), "u-b": prepared("gpu-0-mig-1g-b", "MIG-b")}
+    source = DraClaims(
+        "nvidia.com/gpu", "gpu.nvidia.com", claims, {"gpu-0-mig-1g-a": "", "gpu-0-mig-1g-b": ""}
+    )
+    placements = [
+        ClaimPlacement(
+            "ml", f"pod-{x}", "main", "ml", f"gpu-0-mig-1g-{x}", "gpu.nvidia.com", NODE, f"gpu-0-mig-1g-{x}"
+        )
+        for x in "ab"
+    ]
+    pods = {"u-a": frozenset({"p-a"}), "u-b": frozenset({"p-b"})}
+    holders = {h.pod: h for h in build_dra_holders([source], placements, pods)}
+    assert (holders["pod-a"].uuids, holders["pod-a"].pod_uid) == (frozenset({"MIG-a"}), "p-a")
+    assert (holders["pod-b"].uuids, holders["pod-b"].claim) == (frozenset({"MIG-b"}), "ml/gpu-0-mig-1g-b")
+    assert not holders["pod-a"].grants  # a partition is its whole: no share grant
