@@ -218,6 +218,7 @@ def secured(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "kxpu.io/devices.sec-test-", check=False,
         )  # fmt: skip
         cleanup.callback(k, "label", "node", NODE_NAME, "kxpu.io/sharing-", check=False)
+        cleanup.callback(k, "uncordon", NODE_NAME, check=False)  # were the cordon ever allowed
         routes = ServiceRoutes()
         cleanup.callback(routes.close)
         routes.api_server_for_pods()
