@@ -5,6 +5,11 @@
 #
 #   docker build --build-arg VERSION=0.1.0 -t registry.example.com/kxpu:0.1.0 .
 #   (buildah bud / podman build work the same; BASE may point at a mirror of debian:bookworm-slim)
+#
+# Pin the base by digest for a release build (docs/security.md):
+#   --build-arg BASE=debian:bookworm-slim@sha256:<digest from your registry or mirror>
+# The default is the tag: the project ships no digest it could not verify. hack/image/build.sh needs neither: it
+# builds the base from the Debian archive (apt checks the signed Release files).
 ARG BASE=debian:bookworm-slim
 
 FROM ${BASE} AS build

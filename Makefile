@@ -12,10 +12,13 @@ OLDEST_K8S := 1.34
 
 dev: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Exactly the hash-pinned packages of hack/dev-requirements.txt (`make image-lock` rewrites it), then kxpu itself,
+# editable, built with the locked setuptools (no build isolation: nothing unpinned is fetched).
+$(STAMP): pyproject.toml hack/dev-requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --only-binary=:all: --require-hashes \
+		-r hack/dev-requirements.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
 ## Everything CI runs.

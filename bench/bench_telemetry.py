@@ -16,6 +16,11 @@ every tick samples 8 GPUs and ties every process to a pod (each holds one time-s
 
 The fake NVML answers in Python, so per-call costs differ from the driver's (ioctls); ``hack/gpu-mps-check``
 measures ``sample()`` over the real NVML on a GPU machine.
+
+``--backends`` measures every vendor backend instead, over its fake (the same interface calls as on the
+vendor's library or sysfs, answered by Python): ``sample()``'s CPU per device per sample in this process
+(``time.process_time`` over ``--samples`` samples, with ``--processes`` processes per device where the vendor
+lists processes), and the daemon's RSS with telemetry on at 0.5 s, serving that backend over its fake.
 """
 
 from __future__ import annotations
@@ -139,6 +144,146 @@ def _series(text: str, name: str) -> str:
     return match.group(1)
 
 
+# backend → (resource, config section, fake environment for the daemon)
+DAEMONS: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
+    "nvidia": ("nvidia.com/gpu", {"nvidia": {}}, {"KXPU_FAKE_NVML": "a100-8x"}),
+    "amd": ("amd.com/gpu", {"amd": {}}, {"KXPU_FAKE_AMD": "mi300x-8x-cpx"}),
+    "hygon": ("hygon.com/dcunum", {"hygon": {}}, {"KXPU_FAKE_AMD": "hygon-dcu-8x"}),
+    "ascend": ("huawei.com/Ascend910", {"ascend": {}}, {"KXPU_FAKE_DCMI": "910b-8x"}),
+    "gaudi": ("habana.ai/gaudi", {"gaudi": {}}, {"KXPU_FAKE_HLML": "gaudi2-8x"}),
+    "neuron": ("aws.amazon.com/neuron", {"neuron": {}}, {"KXPU_FAKE_NEURON": "trn1-32xl"}),
+    "cambricon": ("cambricon.com/mlu", {"cambricon": {}}, {"KXPU_FAKE_CAMBRICON": "mlu370-x8-4x"}),
+}
+
+
+def vendor_backends(processes: int) -> dict[str, tuple[Any, Any]]:
+    """Each backend over its fake, ``processes`` processes on every device where its interface lists them;
+    (backend, cleanup)."""
+    from kxpu.backends.amd import AmdBackend, AmdConfig, HygonBackend, HygonConfig
+    from kxpu.backends.ascend import AscendBackend, AscendConfig
+    from kxpu.backends.ascend.dcmi import DcmiSource
+    from kxpu.backends.cambricon import CambriconBackend, CambriconConfig
+    from kxpu.backends.gaudi import GaudiBackend, GaudiConfig
+    from kxpu.backends.gaudi.hlml import HlmlSource
+    from kxpu.backends.host import Host
+    from kxpu.backends.neuron import NeuronBackend, NeuronConfig
+    from kxpu.backends.nvidia import NvidiaBackend, NvidiaConfig
+    from kxpu.backends.nvidia.nvml import NvmlSource
+    from kxpu.testing.fake_amd import FakeAmd
+    from kxpu.testing.fake_cambricon import FakeCambricon
+    from kxpu.testing.fake_dcmi import FakeDcmi
+    from kxpu.testing.fake_hlml import FakeHlml
+    from kxpu.testing.fake_neuron import FakeNeuron
+    from kxpu.testing.fake_nvml import FakeNvml, FakeProcess
+
+    out: dict[str, tuple[Any, Any]] = {}
+    nvml = FakeNvml("a100-8x")
+    for gpu in range(len(nvml.gpus)):
+        nvml.set_processes(gpu, [FakeProcess(200000 + gpu * 100 + n, 1000) for n in range(processes)])
+    nvidia = NvidiaBackend(NvidiaConfig(), NvmlSource(nvml, nvml.host_root, fake=True), environ={})
+    out["nvidia"] = (nvidia, nvidia.close)
+    for name, profile, cls, config in (
+        ("amd", "mi300x-8x-cpx", AmdBackend, AmdConfig),
+        ("hygon", "hygon-dcu-8x", HygonBackend, HygonConfig),
+    ):
+        fake = FakeAmd(profile)
+        for pid in range(processes):
+            fake.run_process(300000 + pid, {(g, 0): 1 << 30 for g in range(fake.profile.count)})
+        out[name] = (cls(config.model_validate({"hostRoot": str(fake.root)})), fake.cleanup)
+    dcmi = FakeDcmi("910b-8x")
+    for phy in range(8):
+        dcmi.set_usage(phy, processes=[(400000 + phy * 100 + n, 1 << 30) for n in range(processes)])
+    ascend_config = AscendConfig.model_validate({"hostRoot": str(dcmi.root)})
+    ascend_config.resource_name("huawei.com/Ascend910")
+    out["ascend"] = (AscendBackend(ascend_config, DcmiSource(dcmi.root, dcmi)), dcmi.cleanup)
+    hlml = FakeHlml("gaudi2-8x")
+    gaudi = GaudiBackend(
+        GaudiConfig.model_validate({"hostRoot": str(hlml.root)}),
+        HlmlSource(hlml, hlml.types, hlml.root, fake=True),
+    )
+    out["gaudi"] = (gaudi, lambda: _both(gaudi.close, hlml.cleanup))
+    neuron = FakeNeuron("trn1-32xl")
+    out["neuron"] = (
+        NeuronBackend(NeuronConfig.model_validate({"hostRoot": str(neuron.root)})),
+        neuron.cleanup,
+    )
+    mlu = FakeCambricon("mlu370-x8-4x")
+    for index in range(4):
+        mlu.set_usage(index, processes=[(500000 + index * 100 + n, 1 << 20) for n in range(processes)])
+    cambricon = CambriconBackend(
+        CambriconConfig.model_validate({"hostRoot": str(mlu.root)}), library=mlu.library, host=Host(mlu.root)
+    )
+    out["cambricon"] = (cambricon, lambda: _both(cambricon.close, mlu.cleanup))
+    return out
+
+
+def _both(first: Any, second: Any) -> None:
+    first()
+    second()
+
+
+def sample_costs(processes: int, samples: int) -> dict[str, dict[str, float]]:
+    figures: dict[str, dict[str, float]] = {}
+    for name, (backend, cleanup) in vendor_backends(processes).items():
+        try:
+            backend.discover()
+            first = backend.sample()  # warm: the first sample may open files, build caches
+            devices = max(1, len(first.devices))
+            started = time.process_time()
+            for _ in range(samples):
+                backend.sample()
+            cpu = time.process_time() - started
+            figures[name] = {
+                "devices": devices,
+                "processes": len(first.processes),
+                "cpu_ms_per_device_per_sample": 1000 * cpu / samples / devices,
+            }
+        finally:
+            cleanup()
+    return figures
+
+
+async def daemon_rss(name: str, seconds: float) -> float:
+    resource, section, env = DAEMONS[name]
+    base = Path(tempfile.mkdtemp(prefix="kx-bench-", dir="/tmp"))
+    try:
+        config = base / "config.json"
+        doc = {
+            "version": "v1",
+            "devicePluginDir": str(base / "dp"),
+            "resources": [{"name": resource, **section}],
+            "podResourcesSocket": str(base / "pr.sock"),
+            "telemetry": {"enabled": True, "intervalSeconds": 0.5},
+        }
+        config.write_text(json.dumps(doc))
+        daemon = DaemonProcess(config, base / "daemon.log", extra_args=["--log-level", "error"], env=env)
+        await daemon.start()
+        try:
+            await asyncio.sleep(seconds)  # a number of ticks: what a long-running daemon holds
+            return rss_mb(daemon.pid)
+        finally:
+            await daemon.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def backends_main(args: argparse.Namespace) -> int:
+    costs = sample_costs(args.processes, args.samples)
+    results: dict[str, float] = {}
+    for name, figures in costs.items():
+        what = f"{name} ({figures['devices']:.0f} devices, {figures['processes']:.0f} processes)"
+        results[f"{what}: CPU ms per device per sample"] = figures["cpu_ms_per_device_per_sample"]
+        results[f"{name}: daemon RSS MB, telemetry on"] = asyncio.run(daemon_rss(name, args.rss_seconds))
+    targets = {k: 1.0 for k in results if "CPU ms" in k} | {k: 60.0 for k in results if "RSS" in k}
+    report(
+        f"kxpu telemetry per backend over its fake, {args.processes} processes per device",
+        results,
+        targets,
+        args.json,
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -147,7 +292,14 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=10.0, help="the default sampling interval")
     parser.add_argument("--seconds", type=float, default=30.0, help="how long CPU is measured per run")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--backends", action="store_true", help="every vendor backend over its fake instead")
+    parser.add_argument("--samples", type=int, default=200, help="--backends: samples timed per backend")
+    parser.add_argument(
+        "--rss-seconds", type=float, default=5.0, help="--backends: daemon run before its RSS"
+    )
     args = parser.parse_args()
+    if args.backends:
+        return backends_main(args)
     results: dict[str, float] = {}
     runs: dict[str, tuple[dict[str, Any] | None, bool]] = {
         "off": (None, False),

@@ -26,6 +26,7 @@ import grpc
 from kxpu.api.podresources.v1 import api_pb2 as podres
 from kxpu.api.podresources.v1 import api_pb2_grpc as podres_grpc
 from kxpu.config import DEFAULT_POD_RESOURCES_SOCKET as DEFAULT_POD_RESOURCES_SOCKET  # the CLI's default
+from kxpu.dra.names import device_name
 
 if TYPE_CHECKING:
     from lightkube import AsyncClient
@@ -100,19 +101,30 @@ class NodeStatus:
         }
 
 
-async def kubelet_assignments(socket: Path) -> dict[tuple[str, str], list[str]]:
-    """(resource, device ID) → holders, from the kubelet's PodResources List."""
+ClaimUsers = dict[tuple[str, str], list[tuple[str, str, str, str]]]
+
+
+async def kubelet_assignments(socket: Path) -> tuple[dict[tuple[str, str], list[str]], ClaimUsers]:
+    """From the kubelet's PodResources List: (resource, device ID) → holders through the device plugin, and
+    (driver, claim namespace/name) → (holder, pool, DRA device, share ID) through DRA claims."""
     async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
         stub: podres_grpc.PodResourcesListerAsyncStub = podres_grpc.PodResourcesListerStub(channel)
         response = await stub.List(podres.ListPodResourcesRequest(), timeout=10)
     held: dict[tuple[str, str], list[str]] = {}
+    claims: ClaimUsers = {}
     for pod in response.pod_resources:
         for container in pod.containers:
+            holder = f"{pod.namespace}/{pod.name}/{container.name}"
             for devices in container.devices:
                 for device_id in devices.device_ids:
-                    holder = f"{pod.namespace}/{pod.name}/{container.name}"
                     held.setdefault((devices.resource_name, device_id), []).append(holder)
-    return held
+            for dynamic in container.dynamic_resources:
+                ref = f"{dynamic.claim_namespace}/{dynamic.claim_name}"
+                for res in dynamic.claim_resources:
+                    claims.setdefault((res.driver_name, ref), []).append(
+                        (holder, res.pool_name, res.device_name, res.share_id)
+                    )
+    return held, claims
 
 
 class DaemonRefused(Exception):
@@ -147,9 +159,10 @@ async def node_status(
 ) -> NodeStatus:
     errors: list[str] = []
     held: dict[tuple[str, str], list[str]] = {}
+    claim_users: ClaimUsers = {}
     served: dict[str, Any] = {}
     try:
-        held = await kubelet_assignments(pod_resources_socket)
+        held, claim_users = await kubelet_assignments(pod_resources_socket)
     except grpc.RpcError as exc:
         detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
         errors.append(f"kubelet PodResources API at {pod_resources_socket}: {detail}")
@@ -169,14 +182,24 @@ async def node_status(
 
     devices: list[DeviceStatus] = []
     for resource, info in sorted(served.items()):
-        # DRA: the driver's prepared claims hold its devices (the kubelet's PodResources shows them per pod only
-        # on newer kubelets); shown as "claim <namespace>/<name>".
-        for claim in (info.get("dra") or {}).get("claims", {}).values():
+        # DRA: the driver's prepared claims hold its devices; the containers using each claim come from the
+        # kubelet's PodResources (dynamic_resources, Kubernetes 1.34+): "ns/pod/ctr [claim ns/name]", or
+        # "claim ns/name" while no running container uses it.
+        dra = info.get("dra") or {}
+        for claim in dra.get("claims", {}).values():
             shares = claim.get("shares") or {}
+            users = claim_users.get((str(dra.get("driver", "")), str(claim.get("claim", ""))), [])
             for device_id in claim.get("devices", []):
                 share = shares.get(device_id)
-                what = f" ({share.get('memoryMiB')} MiB, {share.get('cores')}%)" if share else ""
-                held.setdefault((resource, device_id), []).append(f"claim {claim.get('claim')}{what}")
+                what = f", {share.get('memoryMiB')} MiB, {share.get('cores')}%" if share else ""
+                name = device_name(device_id)
+                on_device = sorted(
+                    {h for h, pool, device, _ in users if (pool, device) == (dra.get("pool"), name)}
+                )
+                held.setdefault((resource, device_id), []).extend(
+                    [f"{h} [claim {claim.get('claim')}{what}]" for h in on_device]
+                    or [f"claim {claim.get('claim')}{' (' + what[2:] + ')' if what else ''}"]
+                )
         for d in info.get("devices", []):
             uuid = d.get("uuid") or d["id"]
             figure = figures.get((resource, uuid), {})
@@ -203,7 +226,7 @@ async def node_status(
                             bool(u.get("overGrant")),
                         )
                         for h in holders
-                        if (u := uses.get((resource, uuid, h))) is not None
+                        if (u := uses.get((resource, uuid, h.split(" ", 1)[0]))) is not None
                     ],
                 )
             )

@@ -264,17 +264,25 @@ async def test_the_sampler_ties_use_to_grants_and_reports_each_excursion_once(
             "namespace": "ml",
             "pod": "train",
             "container": "main",
+            "claim": "",
         }
         sample = REGISTRY.get_sample_value
         assert sample("kxpu_container_grant_exceeded_total", {**labels, "kind": "memory"}) == 1
         assert sample("kxpu_container_over_grant", {**labels, "kind": "compute"}) == 1
         assert sample("kxpu_container_memory_granted_bytes", labels) == 1000 * MIB
         assert (
-            sample("kxpu_device_xid_errors_total", {"resource": "x.com/gpu", "device": "G0", "xid": "79"})
+            sample(
+                "kxpu_device_xid_errors_total",
+                {"resource": "x.com/gpu", "device": "G0", "vendor": "", "xid": "79"},
+            )
             == 1
         )
         assert (
-            sample("kxpu_device_clock_hertz", {"resource": "x.com/gpu", "device": "G0", "clock": "sm"}) == 1e9
+            sample(
+                "kxpu_device_clock_hertz",
+                {"resource": "x.com/gpu", "device": "G0", "vendor": "", "clock": "sm"},
+            )
+            == 1e9
         )
 
         source.sample_value = TelemetrySample((device,), (process(10, 100),))

@@ -23,6 +23,8 @@ from e2e.sharing_support import STATUS_CHANGES_METADATA
 from kxpu.config import parse_config
 
 NAMESPACED = {"ConfigMap", "DaemonSet", "Service", "ServiceAccount", "ServiceMonitor"}
+# Every DaemonSet leaves control-plane nodes out unless plugin.controlPlane is true.
+NO_CP = {"key": "node-role.kubernetes.io/control-plane", "operator": "DoesNotExist"}
 HOST_PATHS = {
     "device-plugins": ("/var/lib/kubelet/device-plugins", "/var/lib/kubelet/device-plugins", "Directory"),
     "dev": ("/dev", "/dev", "Directory"),
@@ -122,9 +124,16 @@ def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
     assert pod["automountServiceAccountToken"] is True  # to review the tokens sent to /status
     sc = c["securityContext"]
-    assert sc["privileged"] is True and sc["runAsUser"] == 0 and sc["readOnlyRootFilesystem"] is True
-    # One DaemonSet, so it runs on every node: no node-config affinity.
-    assert "affinity" not in pod
+    # The simulated default opens no device: root without capabilities, not privileged (test_chart_security.py).
+    assert sc["privileged"] is False and sc["runAsUser"] == 0 and sc["readOnlyRootFilesystem"] is True
+    # One DaemonSet, so it runs on every node but the control plane's: no node-config affinity.
+    assert pod["affinity"] == {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [NO_CP]}]
+            }
+        }
+    }
 
 
 def test_config_is_the_values_config(default: Rendered) -> None:
@@ -216,7 +225,9 @@ def test_node_config_affinity_keeps_user_terms(overrides: Rendered) -> None:
             "nodeSelectorTerms"
         ]
         # Terms are ORed, expressions ANDed: the config expression joins every term the user wrote.
-        assert terms == [{"matchExpressions": [*t["matchExpressions"], wanted[name]]} for t in user_terms]
+        assert terms == [
+            {"matchExpressions": [*t["matchExpressions"], wanted[name], NO_CP]} for t in user_terms
+        ]
         assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
 
 
@@ -229,7 +240,12 @@ def test_node_config_affinity_without_user_affinity(helm: Path) -> None:
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
                     "nodeSelectorTerms": [
-                        {"matchExpressions": [{"key": "kxpu.io/config", "operator": op, "values": ["a"]}]}
+                        {
+                            "matchExpressions": [
+                                {"key": "kxpu.io/config", "operator": op, "values": ["a"]},
+                                NO_CP,
+                            ]
+                        }
                     ]
                 }
             }
@@ -262,10 +278,9 @@ def test_override_pod_settings(overrides: Rendered) -> None:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    assert {"name": "PYTHONPATH", "value": "/opt/acme"} in c["env"]
-    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c["env"]
+    assert c["env"] == [{"name": "PYTHONPATH", "value": "/opt/acme"}]  # no API access: no NODE_NAME either
     assert ds["spec"]["template"]["metadata"]["annotations"]["example.com/team"] == "accel"
-    assert pod["automountServiceAccountToken"] is True
+    assert pod["automountServiceAccountToken"] is False
 
 
 def test_mps_and_telemetry_settings(helm: Path, default: Rendered) -> None:
@@ -277,23 +292,6 @@ def test_mps_and_telemetry_settings(helm: Path, default: Rendered) -> None:
     assert ds["spec"]["template"]["spec"]["hostPID"] is True
     assert host_paths(ds)["mps-shm"] == ("/run/kxpu/mps/shm", "/dev/shm", "DirectoryOrCreate")
     assert host_paths(ds)["state"][:2] == ("/run/kxpu", "/run/kxpu")  # mpsRoot's host path is the daemon's
-
-
-def test_node_label_rbac_is_minimal(overrides: Rendered) -> None:
-    role = overrides.one("ClusterRole")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
-    binding = overrides.one("ClusterRoleBinding")
-    assert binding["roleRef"] == {
-        "apiGroup": "rbac.authorization.k8s.io",
-        "kind": "ClusterRole",
-        "name": role["metadata"]["name"],
-    }
-    sa = overrides.one("ServiceAccount")
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "kxpu-system"}
-    ]
-    for ds in overrides.kinds("DaemonSet"):
-        assert ds["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
 
 
 def test_no_wildcards_in_any_role(default: Rendered, overrides: Rendered) -> None:
@@ -428,7 +426,6 @@ def test_sharing_rbac_is_exact(sharing: Rendered) -> None:
         ("", "pods/status", (), ("patch",)),
     ]
     assert rules(sharing.one("Role", "kxpu-scheduler")) == [
-        ("", "configmaps", (), ("create",)),
         ("", "configmaps", ("kxpu-verify-keys",), ("get", "update")),
         ("coordination.k8s.io", "leases", (), ("create",)),
         ("coordination.k8s.io", "leases", (), ("get", "list", "watch", "patch")),
@@ -744,7 +741,7 @@ def test_dra_rbac_is_exact(dra: Rendered) -> None:
         ("", "events", (), ("create",)),
         ("", "nodes", (), ("get",)),
         ("resource.k8s.io", "resourceclaims", (), ("get",)),
-        ("resource.k8s.io", "resourceslices", (), ("get", "list", "watch", "create", "update", "delete")),
+        ("resource.k8s.io", "resourceslices", (), ("list", "watch", "create", "update", "delete")),
     ]
     assert "ClusterRole/kxpu-plugin-dra" in bound_roles(dra, "kxpu-plugin")
 

@@ -1,7 +1,8 @@
 """The Grafana dashboards ask only for series kxpu exports, with labels they have, and show every kxpu metric.
 
-Two dashboards: kxpu-node.json over the node daemon's metrics (kxpu.daemon.metrics) and kxpu-scheduler.json
-over the sharing control plane's (kxpu.sharing.extender_metrics and kxpu.sharing.webhook_metrics). The names
+Four dashboards: kxpu-node.json over the node daemon's metrics (kxpu.daemon.metrics), kxpu-scheduler.json
+over the sharing control plane's (kxpu.sharing.extender_metrics and kxpu.sharing.webhook_metrics), and two over
+telemetry: kxpu-fleet.json (every vendor across nodes) and kxpu-pods.json (per pod and DRA claim). The names
 come from the PromQL of every panel and template variable; what kxpu exports comes from the prometheus-client
 registry after importing the three modules (their metrics plus the process collector's), with the series
 each metric type produces: a counter ``x`` is queried as ``x_total``, a histogram ``x`` as ``x_bucket``,
@@ -32,6 +33,40 @@ DASHBOARDS = {
         metrics.METRIC_NAMES | telemetry_metrics.METRIC_NAMES | dra_metrics.METRIC_NAMES,
     ),
     "kxpu-scheduler.json": ("kxpu-scheduler", extender_metrics.METRIC_NAMES | webhook_metrics.METRIC_NAMES),
+    # Telemetry across vendors and nodes, and per pod/claim (docs/telemetry.md): the names each must show.
+    "kxpu-fleet.json": (
+        "kxpu-fleet",
+        frozenset(
+            {
+                "kxpu_device_info",
+                "kxpu_device_holder_info",
+                "kxpu_device_compute_utilization_ratio",
+                "kxpu_device_memory_used_bytes",
+                "kxpu_device_memory_total_bytes",
+                "kxpu_device_power_watts",
+                "kxpu_device_temperature_celsius",
+                "kxpu_device_ecc_errors",
+                "kxpu_container_over_grant",
+            }
+        ),
+    ),
+    "kxpu-pods.json": (
+        "kxpu-pods",
+        frozenset(
+            {
+                "kxpu_device_holder_info",
+                "kxpu_device_compute_utilization_ratio",
+                "kxpu_device_memory_used_bytes",
+                "kxpu_container_memory_used_bytes",
+                "kxpu_container_memory_granted_bytes",
+                "kxpu_container_compute_utilization_ratio",
+                "kxpu_container_compute_granted_ratio",
+                "kxpu_container_over_grant",
+                "kxpu_container_grant_exceeded",
+                "kxpu_container_processes",
+            }
+        ),
+    ),
 }
 ALL_NAMES = frozenset().union(*(names for _, names in DASHBOARDS.values()))
 by_dashboard = pytest.mark.parametrize("dashboard", sorted(DASHBOARDS))

@@ -238,6 +238,7 @@ class SimulatedBackend(Backend):
                     uuid=uuid_,
                     index=device.index,
                     model=device.model,
+                    vendor="simulated",
                     compute_utilization=utilization,
                     memory_used_bytes=used,
                     memory_total_bytes=None if memory_mib is None else memory_mib * _MIB,

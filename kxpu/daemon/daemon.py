@@ -206,7 +206,14 @@ class Daemon:
         from kxpu.daemon.telemetry import SourceView
 
         return [
-            SourceView(name, r.runner.backend, dict(r.runner.snapshot.devices))
+            SourceView(
+                name,
+                r.runner.backend,
+                dict(r.runner.snapshot.devices),
+                # DRA: the driver's prepared claims, read (copied) from its checkpoint
+                r.runner.dra.driver if r.runner.dra is not None else None,
+                dict(r.runner.dra.checkpoint.claims) if r.runner.dra is not None else {},
+            )
             for name, r in list(self._running.items())
             if r.runner.backend is not None and r.runner.phase not in (Phase.FAILED, Phase.STOPPED)
         ]

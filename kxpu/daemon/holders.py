@@ -14,6 +14,12 @@ Three sources, all on the node, none of them the API server:
   pod UIDs, the checkpoint has no names; the device IDs, each allocated to one container at a time,
   join the two).
 
+Devices allocated through DRA are joined the same way from three other sources: PodResources'
+``dynamic_resources`` (which container uses which claim, and the driver/pool/device/share of each of
+its devices), the driver's own prepared-claim checkpoint (claim UID → namespace/name, the kxpu device
+and, for a share, its grant) and the kubelet's DRA checkpoint ``dra_manager_state`` (claim UID → the
+UIDs of the pods using it: PodResources has no UIDs, as on the device-plugin side).
+
 A process is given to the container of its pod that holds the device it runs on. When several
 containers of one pod hold that device the pod is known but the container is not (left empty); a
 process in no pod with kxpu devices (the MPS server, a host process) is left unattributed.
@@ -24,16 +30,22 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 
 from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.api.podresources.v1 import api_pb2 as podres
 from kxpu.api.podresources.v1 import api_pb2_grpc as podres_grpc
-from kxpu.model import GRANT_ANNOTATION, Grant, GrantError, decode_grants
+from kxpu.model.telemetry import GRANT_ANNOTATION, MIB, Grant, GrantError, decode_grants
+
+if TYPE_CHECKING:
+    from kxpu.dra.checkpoint import PreparedClaim
+
+_T = TypeVar("_T")
 
 _POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _CONTAINER_ID = re.compile(r"(?:^|[-/])([0-9a-f]{64})(?:\.scope)?$")
@@ -119,41 +131,91 @@ def _grants(alloc_response: bytes) -> tuple[Grant, ...]:
         return ()
 
 
-class CheckpointReader:
-    """Re-reads the checkpoint only when its modification time or size changes."""
+class _WatchedFile(Generic[_T]):
+    """A kubelet file re-read only when its modification time or size changes."""
 
-    def __init__(self, path: Path) -> None:
+    what = "file"
+
+    def __init__(self, path: Path, parse: Callable[[str], _T], empty: _T) -> None:
         self.path = path
+        self._parse = parse
+        self._empty = empty
         self._seen: tuple[int, int] | None = None
-        self.entries: list[CheckpointEntry] = []
-        self.generation = 0  # moves whenever the entries were read again
+        self.value: _T = empty
+        self.generation = 0  # moves whenever the file was read again
 
     def refresh(self) -> bool:
-        """True if the entries changed. HolderError if the file cannot be read or parsed."""
+        """True if the contents changed. HolderError if the file cannot be read or parsed."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
             if self._seen is not None or self.generation == 0:
-                self._seen, self.entries = None, []
+                self._seen, self.value = None, self._empty
                 self.generation += 1
                 return True
             return False
         except OSError as exc:
-            raise HolderError(f"kubelet checkpoint {self.path}: {exc.strerror}") from None
+            raise HolderError(f"{self.what} {self.path}: {exc.strerror}") from None
         key = (st.st_mtime_ns, st.st_size)
         if key == self._seen:
             return False
         try:
             text = self.path.read_text()
         except OSError as exc:
-            raise HolderError(f"kubelet checkpoint {self.path}: {exc.strerror}") from None
+            raise HolderError(f"{self.what} {self.path}: {exc.strerror}") from None
         try:
-            self.entries = parse_checkpoint(text)
+            self.value = self._parse(text)
         except HolderError as exc:
-            raise HolderError(f"kubelet checkpoint {self.path}: {exc}") from None
+            raise HolderError(f"{self.what} {self.path}: {exc}") from None
         self._seen = key
         self.generation += 1
         return True
+
+
+class CheckpointReader(_WatchedFile[list[CheckpointEntry]]):
+    """The kubelet's device checkpoint, re-read only when it changes."""
+
+    what = "kubelet checkpoint"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, parse_checkpoint, [])
+
+    @property
+    def entries(self) -> list[CheckpointEntry]:
+        return self.value
+
+
+ClaimPods = dict[str, frozenset[str]]  # claim UID → UIDs of the pods using it
+
+
+def parse_dra_state(text: str) -> ClaimPods:
+    """The kubelet's DRA checkpoint ``dra_manager_state`` (``pkg/kubelet/cm/dra/state``, Kubernetes 1.34 to 1.37):
+    ``{"Data": "<JSON: {"kind": "DRACheckpoint", "apiVersion": "checkpoint.dra.kubelet.k8s.io/v1",
+    "ClaimInfoStateList": [{"ClaimUID", "ClaimName", "Namespace", "PodUIDs": {"<uid>": {}}, "DriverState": …}]}>",
+    "Checksum": <crc32 of Data>}``."""
+    try:
+        doc = json.loads(text)
+        data = json.loads(doc["Data"]) if isinstance(doc.get("Data"), str) else doc
+        raw_entries = data.get("ClaimInfoStateList") or data.get("Entries") or data.get("entries") or []
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise HolderError(f"not a kubelet DRA checkpoint: {exc!r}") from None
+    claims: ClaimPods = {}
+    for raw in raw_entries:
+        try:
+            pods: Any = raw.get("PodUIDs") or {}
+            claims[str(raw["ClaimUID"])] = frozenset(str(p) for p in pods)
+        except (KeyError, TypeError, AttributeError):
+            continue  # one odd entry must not hide the others
+    return claims
+
+
+class DraStateReader(_WatchedFile[ClaimPods]):
+    """The kubelet's DRA checkpoint, re-read only when it changes; absent where DRA is not used."""
+
+    what = "kubelet DRA checkpoint"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, parse_dra_state, {})
 
 
 PlacedDevices = dict[
@@ -161,8 +223,29 @@ PlacedDevices = dict[
 ]  # (resource, device ID) → (namespace, pod, container)
 
 
-async def list_pod_resources(socket: Path, timeout: float = 5.0) -> PlacedDevices:
-    """The PodResources API's List, as (resource, device ID) → (namespace, pod, container)."""
+@dataclass(frozen=True, slots=True)
+class ClaimPlacement:
+    """One device a container got through a DRA claim, as PodResources' ``dynamic_resources`` tells it."""
+
+    namespace: str
+    pod: str
+    container: str
+    claim_namespace: str
+    claim: str
+    driver: str
+    pool: str
+    device: str
+    share_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PodResourcesView:
+    devices: PlacedDevices = field(default_factory=dict)  # the device-plugin side
+    claims: tuple[ClaimPlacement, ...] = ()  # the DRA side
+
+
+async def read_pod_resources(socket: Path, timeout: float = 5.0) -> PodResourcesView:
+    """The PodResources API's List: device-plugin devices and DRA claims' devices, per container."""
     try:
         async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
             stub: podres_grpc.PodResourcesListerAsyncStub = podres_grpc.PodResourcesListerStub(channel)
@@ -171,12 +254,33 @@ async def list_pod_resources(socket: Path, timeout: float = 5.0) -> PlacedDevice
         detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
         raise HolderError(f"kubelet PodResources API at {socket}: {detail}") from None
     placed: PlacedDevices = {}
+    claims: list[ClaimPlacement] = []
     for pod in response.pod_resources:
         for container in pod.containers:
             for devices in container.devices:
                 for device_id in devices.device_ids:
                     placed[(devices.resource_name, device_id)] = (pod.namespace, pod.name, container.name)
-    return placed
+            for dynamic in container.dynamic_resources:
+                for res in dynamic.claim_resources:
+                    claims.append(
+                        ClaimPlacement(
+                            pod.namespace,
+                            pod.name,
+                            container.name,
+                            dynamic.claim_namespace,
+                            dynamic.claim_name,
+                            res.driver_name,
+                            res.pool_name,
+                            res.device_name,
+                            res.share_id if res.HasField("share_id") else "",
+                        )
+                    )
+    return PodResourcesView(placed, tuple(claims))
+
+
+async def list_pod_resources(socket: Path, timeout: float = 5.0) -> PlacedDevices:
+    """The PodResources API's List, as (resource, device ID) → (namespace, pod, container)."""
+    return (await read_pod_resources(socket, timeout)).devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,9 +291,10 @@ class Holder:
     namespace: str
     pod: str
     container: str
-    pod_uid: str
+    pod_uid: str  # "" where it could not be told (a DRA claim the kubelet's DRA checkpoint does not name)
     uuids: frozenset[str]
     grants: Mapping[str, Grant] = field(default_factory=dict)  # device UUID → grant
+    claim: str = ""  # namespace/name of the DRA claim it holds the devices by; "" for the device plugin
 
 
 def build_holders(
@@ -225,12 +330,90 @@ def build_holders(
 
 
 @dataclass(frozen=True, slots=True)
+class DraClaims:
+    """One DRA-served resource's prepared claims (the driver's checkpoint: claim UID → claim)."""
+
+    resource: str
+    driver: str
+    claims: Mapping[str, PreparedClaim]
+    uuid_of: Mapping[str, str]  # kxpu device ID → UUID
+
+
+def _prepared_uuid(dra: DraClaims, device_id: str, partition: Mapping[str, str | int] | None) -> str:
+    """A partition made for the claim has its own UUID (a MIG device's), kept in its release handle."""
+    made = (partition or {}).get("uuid")
+    return made if isinstance(made, str) and made else dra.uuid_of.get(device_id, device_id)
+
+
+def build_dra_holders(
+    sources: Iterable[DraClaims],
+    placements: Iterable[ClaimPlacement],
+    claim_pods: ClaimPods,
+    known_pods: Mapping[tuple[str, str], str] | None = None,
+) -> list[Holder]:
+    """The containers holding DRA-prepared devices: PodResources' placements joined with each driver's checkpoint
+    (by driver, claim namespace/name, pool, device and share) and, for the pod UID, with the kubelet's DRA
+    checkpoint (claim UID → pod UIDs). ``known_pods`` ((namespace, pod) → UID, from the device-plugin side)
+    settles claims shared by several pods. A device prepared for no running container is left out."""
+    by_ref: dict[tuple[str, str, str], tuple[DraClaims, str, PreparedClaim]] = {}
+    for dra in sources:
+        for uid, claim in dra.claims.items():
+            by_ref[(dra.driver, claim.namespace, claim.name)] = (dra, uid, claim)
+    placements = [p for p in placements if (p.driver, p.claim_namespace, p.claim) in by_ref]
+    # Pod UIDs: the kubelet's DRA checkpoint names a claim's pods by UID, PodResources by name.
+    uid_of: dict[tuple[str, str], str] = dict(known_pods or {})
+    names_of: dict[str, set[tuple[str, str]]] = {}  # claim UID → pods using it, by name
+    for p in placements:
+        names_of.setdefault(by_ref[(p.driver, p.claim_namespace, p.claim)][1], set()).add(
+            (p.namespace, p.pod)
+        )
+    for _ in range(2):  # a pod told apart on one claim may settle another it shares
+        for claim_uid, names in names_of.items():
+            uids = set(claim_pods.get(claim_uid, ()))
+            left = {n for n in names if n not in uid_of}
+            uids -= {uid_of[n] for n in names if n in uid_of}
+            if len(left) == 1 and len(uids) == 1:
+                uid_of[left.pop()] = uids.pop()
+    held: dict[tuple[str, str, str, str, str], tuple[set[str], dict[str, Grant]]] = {}
+    for p in placements:
+        dra, _, claim = by_ref[(p.driver, p.claim_namespace, p.claim)]
+        for prepared in claim.devices:
+            if (prepared.pool, prepared.device, prepared.share_id or "") != (p.pool, p.device, p.share_id):
+                continue
+            uuid = _prepared_uuid(dra, prepared.id, prepared.partition)
+            uuids, grants = held.setdefault(
+                (dra.resource, p.namespace, p.pod, p.container, claim.ref), (set(), {})
+            )
+            uuids.add(uuid)
+            if prepared.share_id and (prepared.memory_mib is not None or prepared.cores is not None):
+                grants[uuid] = Grant(
+                    uuid,
+                    None if prepared.memory_mib is None else prepared.memory_mib * MIB,
+                    None if prepared.cores is None else prepared.cores / 100,
+                )
+    return [
+        Holder(
+            resource,
+            namespace,
+            pod,
+            container,
+            uid_of.get((namespace, pod), ""),
+            frozenset(uuids),
+            grants,
+            ref,
+        )
+        for (resource, namespace, pod, container, ref), (uuids, grants) in sorted(held.items())
+    ]
+
+
+@dataclass(frozen=True, slots=True)
 class Attribution:
     namespace: str = ""
     pod: str = ""
     container: str = ""
     pod_uid: str = ""
     grant: Grant | None = None
+    claim: str = ""  # namespace/name of the DRA claim the container holds the device by
 
 
 def attribute(owner: ProcessOwner | None, uuid: str, holders: Mapping[str, list[Holder]]) -> Attribution:
@@ -244,5 +427,8 @@ def attribute(owner: ProcessOwner | None, uuid: str, holders: Mapping[str, list[
     names = {h.container for h in on_device}
     first = on_device[0] if on_device else pods[0]
     if len(names) == 1:
-        return Attribution(first.namespace, first.pod, first.container, owner.pod_uid, first.grants.get(uuid))
+        claims = {h.claim for h in on_device}
+        grant = next((g for h in on_device if (g := h.grants.get(uuid)) is not None), None)
+        claim = claims.pop() if len(claims) == 1 else ""
+        return Attribution(first.namespace, first.pod, first.container, owner.pod_uid, grant, claim)
     return Attribution(first.namespace, first.pod, "", owner.pod_uid)

@@ -19,7 +19,7 @@ import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -37,6 +37,9 @@ from kxpu.model import Backend, BackendError, Closable, Device, Watcher
 from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
+if TYPE_CHECKING:
+    from kxpu.dra.checkpoint import Checkpoint
+
 log = get_logger("kxpu.daemon.resource")
 
 BackendFactory = Callable[[ResourceConfig], Backend]
@@ -44,6 +47,9 @@ BackendFactory = Callable[[ResourceConfig], Backend]
 
 class DraServer(Protocol):
     """A resource's DRA half (``kxpu.dra.plugin.DraPlugin``), serving the snapshot this runner keeps."""
+
+    driver: str
+    checkpoint: Checkpoint  # its prepared claims: telemetry reads them to tie pods to devices
 
     @property
     def phase(self) -> str: ...

@@ -26,22 +26,30 @@ from kxpu.config import Config
 from kxpu.daemon import telemetry_metrics as metrics
 from kxpu.daemon.holders import (
     CheckpointReader,
+    DraClaims,
+    DraStateReader,
     Holder,
     HolderError,
-    PlacedDevices,
+    PodResourcesView,
     ProcessOwner,
     attribute,
+    build_dra_holders,
     build_holders,
-    list_pod_resources,
     owner_of,
+    read_pod_resources,
 )
 from kxpu.logs import error_text, get_logger, log_failure
 from kxpu.model import Backend, Device, DeviceUsage, Grant, ProcessUsage, TelemetrySource, find_capability
 
 log = get_logger("kxpu.daemon.telemetry")
 
+ContainerKey = tuple[str, str, str, str, str, str]  # resource, device UUID, namespace, pod, container, claim
 COMPUTE_MARGIN = 0.05  # per-process SM utilization is a sampled figure; don't flag noise as an excursion
 PLACEMENT_REFRESH_S = 60.0
+# The kubelet records an allocation (its checkpoints, the driver's prepared claims) before the container starts,
+# and PodResources lists the container only once it runs: for a while after a change, ask again every few seconds.
+PLACEMENT_SETTLE_S = 60.0
+PLACEMENT_SETTLE_EVERY_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,8 @@ class SourceView:
     resource: str
     backend: Backend
     devices: Mapping[str, Device]  # the resource's snapshot: kubelet device ID → device
+    driver: str | None = None  # served through DRA: the driver's name
+    claims: Mapping[str, Any] = field(default_factory=dict)  # DRA: claim UID → PreparedClaim (its checkpoint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +70,7 @@ class ProcessView:
     namespace: str
     pod: str
     container: str
+    claim: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +82,7 @@ class ContainerUsage:
     namespace: str
     pod: str
     container: str
+    claim: str
     pod_uid: str
     pids: tuple[int, ...]
     memory_used_bytes: int | None
@@ -99,8 +111,8 @@ class ContainerUsage:
         )
 
     @property
-    def key(self) -> tuple[str, str, str, str, str]:
-        return (self.resource, self.uuid, self.namespace, self.pod, self.container)
+    def key(self) -> ContainerKey:
+        return (self.resource, self.uuid, self.namespace, self.pod, self.container, self.claim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +148,9 @@ class Snapshot:
     devices: tuple[tuple[str, DeviceUsage], ...] = ()  # (resource, figures)
     processes: tuple[ProcessView, ...] = ()
     containers: tuple[ContainerUsage, ...] = ()
+    holders: tuple[Holder, ...] = ()  # every container holding a sampled device, processes or not
     errors: tuple[str, ...] = ()
-    over: frozenset[tuple[tuple[str, str, str, str, str], str]] = field(default_factory=frozenset)
+    over: frozenset[tuple[ContainerKey, str]] = field(default_factory=frozenset)
 
 
 ExceededHandler = Callable[[GrantExceeded], Awaitable[None]]
@@ -155,9 +168,11 @@ class TelemetrySampler:
         self._on_exceeded = on_exceeded
         self.latest = Snapshot()
         self._checkpoint: CheckpointReader | None = None
-        self._placed: PlacedDevices = {}
+        self._dra_state: DraStateReader | None = None
+        self._placed = PodResourcesView()
         self._placed_at = 0.0
-        self._placed_generation = -1
+        self._placed_generation: tuple[int, int, frozenset[str]] | None = None
+        self._changed_at = 0.0  # when the kubelet's or a driver's records last changed
         self._logged_errors: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
 
@@ -193,7 +208,7 @@ class TelemetrySampler:
                 continue
             samples.append((view, list(sample.devices), list(sample.processes)))
         holders: dict[str, list[Holder]] = {}
-        if any(procs for _, _, procs in samples):
+        if samples:
             holders = await self._holders(config, [v for v, _, _ in samples], errors)
         host_root = config.telemetry.host_root
         pids = {proc.pid for _, _, procs in samples for proc in procs}
@@ -201,12 +216,14 @@ class TelemetrySampler:
             await asyncio.to_thread(lambda: {pid: owner_of(host_root, pid) for pid in pids}) if pids else {}
         )
         processes: list[ProcessView] = []
-        grouped: dict[tuple[str, str, str, str, str], list[tuple[ProcessUsage, str, Grant | None]]] = {}
+        grouped: dict[ContainerKey, list[tuple[ProcessUsage, str, Grant | None]]] = {}
         for view, _, procs in samples:
             for proc in procs:
                 who = attribute(owners.get(proc.pid), proc.uuid, holders)
-                processes.append(ProcessView(view.resource, proc, who.namespace, who.pod, who.container))
-                key = (view.resource, proc.uuid, who.namespace, who.pod, who.container)
+                processes.append(
+                    ProcessView(view.resource, proc, who.namespace, who.pod, who.container, who.claim)
+                )
+                key = (view.resource, proc.uuid, who.namespace, who.pod, who.container, who.claim)
                 grouped.setdefault(key, []).append((proc, who.pod_uid, who.grant))
         containers = tuple(_container(key, members) for key, members in sorted(grouped.items()))
         over = frozenset(
@@ -222,6 +239,7 @@ class TelemetrySampler:
             devices=tuple((v.resource, d) for v, devices, _ in samples for d in devices),
             processes=tuple(processes),
             containers=containers,
+            holders=tuple(h for hs in holders.values() for h in hs),
             errors=tuple(errors),
             over=over,
         )
@@ -233,6 +251,8 @@ class TelemetrySampler:
     async def _holders(
         self, config: Config, views: Sequence[SourceView], errors: list[str]
     ) -> dict[str, list[Holder]]:
+        """Pod UID → the containers holding the sampled resources' devices ("" for DRA holders whose pod UID
+        the kubelet's DRA checkpoint does not tell)."""
         path = config.kubelet_checkpoint
         if self._checkpoint is None or self._checkpoint.path != path:
             self._checkpoint = CheckpointReader(path)
@@ -241,16 +261,48 @@ class TelemetrySampler:
             await asyncio.to_thread(reader.refresh)
         except HolderError as exc:
             self._error(errors, "checkpoint", str(exc))
-        stale = time.monotonic() - self._placed_at > PLACEMENT_REFRESH_S
-        if reader.generation != self._placed_generation or stale:
+        dra_views = [v for v in views if v.driver is not None]
+        dra_state: DraStateReader | None = None
+        if dra_views:
+            dra_path = config.kubelet_dra_checkpoint
+            if self._dra_state is None or self._dra_state.path != dra_path:
+                self._dra_state = DraStateReader(dra_path)
+            dra_state = self._dra_state
             try:
-                self._placed = await list_pod_resources(config.pod_resources_socket)
-                self._placed_generation = reader.generation
+                await asyncio.to_thread(dra_state.refresh)
+            except HolderError as exc:
+                self._error(errors, "checkpoint", str(exc))
+        # PodResources is asked again when what the kubelet or a DRA driver recorded changed, every few seconds for
+        # a minute after that (containers start after their allocation is recorded), and every minute.
+        generation = (
+            reader.generation,
+            dra_state.generation if dra_state is not None else 0,
+            frozenset(uid for v in dra_views for uid in v.claims),
+        )
+        now = time.monotonic()
+        if generation != self._placed_generation:
+            self._changed_at = now
+        since_asked = now - self._placed_at
+        settling = now - self._changed_at < PLACEMENT_SETTLE_S and since_asked >= PLACEMENT_SETTLE_EVERY_S
+        if generation != self._placed_generation or since_asked > PLACEMENT_REFRESH_S or settling:
+            try:
+                self._placed = await read_pod_resources(config.pod_resources_socket)
+                self._placed_generation = generation
                 self._placed_at = time.monotonic()
             except HolderError as exc:
                 self._error(errors, "pod-resources", str(exc))
         uuid_of = {v.resource: {i: d.uuid or d.id for i, d in v.devices.items()} for v in views}
-        return build_holders(reader.entries, self._placed, uuid_of)
+        by_pod = build_holders(reader.entries, self._placed.devices, uuid_of)
+        if dra_views:
+            known = {(h.namespace, h.pod): uid for uid, hs in by_pod.items() for h in hs}
+            for holder in build_dra_holders(
+                [DraClaims(v.resource, v.driver or "", v.claims, uuid_of[v.resource]) for v in dra_views],
+                self._placed.claims,
+                dra_state.value if dra_state is not None else {},
+                known,
+            ):
+                by_pod.setdefault(holder.pod_uid, []).append(holder)
+        return by_pod
 
     def _error(self, errors: list[str], source: str, message: str) -> None:
         errors.append(message)
@@ -289,14 +341,13 @@ class TelemetrySampler:
             "sampledAt": snap.taken_at or None,
             "devices": [_device_json(resource, d) for resource, d in snap.devices],
             "containers": [_container_json(c, (c.key, "memory") in snap.over) for c in snap.containers],
+            "holders": [_holder_json(h) for h in snap.holders],
             "errors": list(snap.errors),
         }
 
 
-def _container(
-    key: tuple[str, str, str, str, str], members: list[tuple[ProcessUsage, str, Grant | None]]
-) -> ContainerUsage:
-    resource, uuid, namespace, pod, container = key
+def _container(key: ContainerKey, members: list[tuple[ProcessUsage, str, Grant | None]]) -> ContainerUsage:
+    resource, uuid, namespace, pod, container, claim = key
     memory = [p.memory_used_bytes for p, _, _ in members if p.memory_used_bytes is not None]
     compute = [p.compute_utilization for p, _, _ in members if p.compute_utilization is not None]
     return ContainerUsage(
@@ -305,6 +356,7 @@ def _container(
         namespace=namespace,
         pod=pod,
         container=container,
+        claim=claim,
         pod_uid=next((uid for _, uid, _ in members if uid), ""),
         pids=tuple(sorted(p.pid for p, _, _ in members)),
         memory_used_bytes=sum(memory) if memory else None,
@@ -319,6 +371,7 @@ def _device_json(resource: str, d: DeviceUsage) -> dict[str, Any]:
         "uuid": d.uuid,
         "index": d.index,
         "model": d.model,
+        "vendor": d.vendor,
         "computeUtilization": d.compute_utilization,
         "memoryBandwidthUtilization": d.memory_bandwidth_utilization,
         "memoryUsedBytes": d.memory_used_bytes,
@@ -336,10 +389,26 @@ def _container_json(c: ContainerUsage, over_memory: bool) -> dict[str, Any]:
         "namespace": c.namespace,
         "pod": c.pod,
         "container": c.container,
+        "claim": c.claim,
         "pids": list(c.pids),
         "memoryUsedBytes": c.memory_used_bytes,
         "computeUtilization": c.compute_utilization,
         "memoryGrantedBytes": None if g is None else g.memory_bytes,
         "computeGranted": None if g is None else g.compute_ratio,
         "overGrant": over_memory or c.compute_exceeded,
+    }
+
+
+def _holder_json(h: Holder) -> dict[str, Any]:
+    return {
+        "resource": h.resource,
+        "uuids": sorted(h.uuids),
+        "namespace": h.namespace,
+        "pod": h.pod,
+        "container": h.container,
+        "claim": h.claim,
+        "grants": {
+            u: {"memoryBytes": g.memory_bytes, "computeRatio": g.compute_ratio}
+            for u, g in sorted(h.grants.items())
+        },
     }

@@ -20,8 +20,9 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from kxpu.daemon.telemetry import Snapshot
 
-DEVICE = ["resource", "device"]
-CONTAINER = ["resource", "device", "namespace", "pod", "container"]
+DEVICE = ["resource", "device", "vendor"]
+CONTAINER = ["resource", "device", "namespace", "pod", "container", "claim"]
+HOLDER = ["resource", "device", "namespace", "pod", "container", "claim"]
 
 ERRORS = Counter("kxpu_telemetry_errors", "Telemetry sources that could not be read, by source", ["source"])
 SAMPLE_SECONDS = Histogram(
@@ -55,7 +56,59 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
     "kxpu_device_clock_hertz": ("Current clock frequency", "gauge", [*DEVICE, "clock"]),
     "kxpu_device_ecc_errors": ("ECC errors since the driver loaded", "counter", [*DEVICE, "type"]),
     "kxpu_device_xid_errors": ("Xid errors seen since the backend started", "counter", [*DEVICE, "xid"]),
+    "kxpu_device_sensor_temperature_celsius": (
+        "Other temperature sensors of the device (junction, memory, …)",
+        "gauge",
+        [*DEVICE, "sensor"],
+    ),
+    "kxpu_device_engine_utilization_ratio": (
+        "Share of the last sample period an engine of the device was busy (vendor-specific engines)",
+        "gauge",
+        [*DEVICE, "engine"],
+    ),
+    "kxpu_device_memory_category_bytes": (
+        "Device memory in use by category (vendor-specific: code, tensors, …)",
+        "gauge",
+        [*DEVICE, "category"],
+    ),
+    "kxpu_device_health_code": ("The vendor's own health value (Ascend DCMI: 0 is healthy)", "gauge", DEVICE),
+    "kxpu_device_energy_joules": ("Energy the device used since the driver loaded", "counter", DEVICE),
+    "kxpu_device_pcie_throughput_bytes_per_second": (
+        "PCIe throughput over the driver's last short sample (direction: tx, rx)",
+        "gauge",
+        [*DEVICE, "direction"],
+    ),
+    "kxpu_device_remapped_rows": (
+        "Memory rows remapped since the driver loaded (cause: correctable, uncorrectable errors)",
+        "gauge",
+        [*DEVICE, "cause"],
+    ),
+    "kxpu_device_row_remap": (
+        "1 while a row remap is pending, or has failed (state)",
+        "gauge",
+        [*DEVICE, "state"],
+    ),
+    "kxpu_device_nvlink_bytes": (
+        "Data bytes over the device's active NVLinks since the driver loaded (direction: tx, rx)",
+        "counter",
+        [*DEVICE, "direction"],
+    ),
+    "kxpu_device_profiling_ratio": (
+        "Profiling counters over the last sample period, 0..1 (counter: sm_active, tensor_active, dram_active, …)",
+        "gauge",
+        [*DEVICE, "counter"],
+    ),
+    "kxpu_device_clock_event_reason": (
+        "1 while this reason holds the device's clocks down (reason: sw_power_cap, hw_slowdown, …)",
+        "gauge",
+        [*DEVICE, "reason"],
+    ),
     "kxpu_device_processes": ("Processes with a context on the device", "gauge", DEVICE),
+    "kxpu_device_holder_info": (
+        "A container holding the device, through the device plugin or a DRA claim (value 1)",
+        "gauge",
+        HOLDER,
+    ),
     "kxpu_container_processes": ("A container's processes on a device", "gauge", CONTAINER),
     "kxpu_container_memory_used_bytes": ("Device memory a container's processes use", "gauge", CONTAINER),
     "kxpu_container_compute_utilization_ratio": (
@@ -108,7 +161,7 @@ class TelemetryCollector(Collector):
             key = (view.resource, view.usage.uuid)
             processes[key] = processes.get(key, 0) + 1
         for resource, d in snap.devices:
-            labels = [resource, d.uuid]
+            labels = [resource, d.uuid, d.vendor or ""]
             f["kxpu_device_info"].add_metric(
                 [*labels, "" if d.index is None else str(d.index), d.model or ""], 1
             )
@@ -122,6 +175,28 @@ class TelemetryCollector(Collector):
             ):
                 if value is not None:
                     f[name].add_metric(labels, value)
+            for sensor, celsius in sorted(d.temperatures_celsius.items()):
+                f["kxpu_device_sensor_temperature_celsius"].add_metric([*labels, sensor], celsius)
+            for engine, ratio in sorted(d.engines.items()):
+                f["kxpu_device_engine_utilization_ratio"].add_metric([*labels, engine], ratio)
+            for category, size in sorted(d.memory_by_category.items()):
+                f["kxpu_device_memory_category_bytes"].add_metric([*labels, category], size)
+            if d.health_code is not None:
+                f["kxpu_device_health_code"].add_metric(labels, d.health_code)
+            if d.energy_joules is not None:
+                f["kxpu_device_energy_joules"].add_metric(labels, d.energy_joules)
+            for direction, rate in sorted(d.pcie_bytes_per_second.items()):
+                f["kxpu_device_pcie_throughput_bytes_per_second"].add_metric([*labels, direction], rate)
+            for cause, rows in sorted(d.remapped_rows.items()):
+                f["kxpu_device_remapped_rows"].add_metric([*labels, cause], rows)
+            for state, on in sorted(d.row_remap.items()):
+                f["kxpu_device_row_remap"].add_metric([*labels, state], int(on))
+            for direction, size in sorted(d.nvlink_bytes.items()):
+                f["kxpu_device_nvlink_bytes"].add_metric([*labels, direction], size)
+            for counter, ratio in sorted(d.profiling.items()):
+                f["kxpu_device_profiling_ratio"].add_metric([*labels, counter], ratio)
+            for reason, on in sorted(d.clock_event_reasons.items()):
+                f["kxpu_device_clock_event_reason"].add_metric([*labels, reason], int(on))
             for clock, hz in sorted(d.clocks_hz.items()):
                 f["kxpu_device_clock_hertz"].add_metric([*labels, clock], hz)
             for kind, count in sorted(d.ecc_errors.items()):
@@ -129,6 +204,11 @@ class TelemetryCollector(Collector):
             for xid, count in sorted(d.xid_errors.items()):
                 f["kxpu_device_xid_errors"].add_metric([*labels, str(xid)], count)
             f["kxpu_device_processes"].add_metric(labels, processes.get((resource, d.uuid), 0))
+        for h in snap.holders:
+            for uuid in sorted(h.uuids):
+                f["kxpu_device_holder_info"].add_metric(
+                    [h.resource, uuid, h.namespace, h.pod, h.container, h.claim], 1
+                )
         for c in snap.containers:
             labels = list(c.key)
             f["kxpu_container_processes"].add_metric(labels, len(c.pids))
@@ -147,7 +227,7 @@ class TelemetryCollector(Collector):
                     )
 
 
-def forget_exceeded(key: tuple[str, str, str, str, str], kind: str) -> None:
+def forget_exceeded(key: tuple[str, str, str, str, str, str], kind: str) -> None:
     with contextlib.suppress(KeyError):
         EXCEEDED.remove(*key, kind)
 

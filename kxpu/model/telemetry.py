@@ -42,6 +42,26 @@ class DeviceUsage:
     clocks_hz: Mapping[str, float] = field(default_factory=dict)  # e.g. {"sm": .., "memory": ..}
     ecc_errors: Mapping[str, int] = field(default_factory=dict)  # {"corrected": n, "uncorrected": n}
     xid_errors: Mapping[int, int] = field(default_factory=dict)  # Xid → times seen since the backend started
+    vendor: str | None = None  # the ``vendor`` label: nvidia, amd, hygon, ascend, gaudi, neuron, cambricon, …
+    # Vendor-specific extras, each one metric family with a label (docs/telemetry.md lists them per vendor):
+    temperatures_celsius: Mapping[str, float] = field(
+        default_factory=dict
+    )  # other sensors: junction, memory, …
+    engines: Mapping[str, float] = field(
+        default_factory=dict
+    )  # per engine utilization 0..1: aicore, vector, …
+    memory_by_category: Mapping[str, int] = field(default_factory=dict)  # bytes by what holds them (Neuron)
+    health_code: int | None = None  # the vendor's own health value (Ascend DCMI: 0 healthy)
+    energy_joules: float | None = None  # since the driver loaded
+    pcie_bytes_per_second: Mapping[str, float] = field(default_factory=dict)  # {"tx": .., "rx": ..}
+    remapped_rows: Mapping[str, int] = field(default_factory=dict)  # {"correctable": n, "uncorrectable": n}
+    row_remap: Mapping[str, bool] = field(default_factory=dict)  # {"pending": .., "failure": ..}
+    clock_event_reasons: Mapping[str, bool] = field(default_factory=dict)  # why clocks are held down now
+    nvlink_bytes: Mapping[str, int] = field(
+        default_factory=dict
+    )  # {"tx": .., "rx": ..} since the driver loaded
+    # profiling counters, 0..1 over the last period: sm_active, tensor_active, …
+    profiling: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,14 @@ after it), ``ras/<block>_err_count``; ``/sys/devices/platform/amdgpu_xcp_<n>`` f
 possible partition (7 per GPU, present in every mode, as the driver makes them; only KFD says
 which are live); ``/dev/kfd`` and ``/dev/dri/*`` (real character devices as root).
 
+Telemetry files as amdgpu writes them (``Documentation/gpu/amdgpu/thermal.rst`` and ``driver-misc.rst``):
+``gpu_busy_percent``, ``mem_busy_percent``, ``mem_info_vram_used`` in bytes, ``pp_dpm_sclk`` / ``pp_dpm_mclk``
+(``<level>: <n>Mhz``, the current level marked ``*``), ``hwmon/hwmon<N>/`` with ``name`` amdgpu,
+``temp1_input``..``temp3_input`` in millidegrees labelled edge / junction / mem, power in microwatts as
+``power1_average`` (``power1_input`` instead on MI300-class GPUs, where the driver hides the average), and
+KFD's per-process directories ``/sys/class/kfd/kfd/proc/<pid>/vram_<gpu_id>`` (bytes of VRAM the process
+holds on the KFD node whose ``gpu_id`` that is; the PID is the host's).
+
 Profile values (bus numbers, serials, unique IDs, link layouts) are illustrative.
 
 Live changes go through ``FakeHost``: values (RAS counters, partition modes) change in place with
@@ -132,6 +140,8 @@ class FakeAmd:
         self.present = set(range(self.profile.count))
         self.driver = self.profile.model is not None
         self.ras: dict[str, int] = {}
+        self.usage: dict[int, dict[str, int]] = {}
+        self.gpu_ids: dict[tuple[int, int], int] = {}  # (GPU, partition) → KFD gpu_id
         if write:
             self._write_all()
 
@@ -205,6 +215,7 @@ class FakeAmd:
         f.write_attribute(f"{base}/class", "0x120000")
         f.write_attribute(f"{base}/numa_node", self.profile.numa[g])
         f.write_attribute(f"{base}/mem_info_vram_total", m.vram_gib * GIB)
+        self._write_usage(g)
         f.write_attribute(f"{base}/serial_number", self.serial(g))
         if m.product:
             f.write_attribute(f"{base}/product_name", m.product)
@@ -227,6 +238,22 @@ class FakeAmd:
             for k in range(1, 8):  # every possible partition, in every mode
                 self._drm(f"/sys/devices/platform/amdgpu_xcp_{self.xcp(g, k)}/drm", g, k)
 
+    def _write_usage(self, g: int) -> None:
+        f, base = self.fake, self._gpu_dir(g)
+        use = self.usage.get(g, {})
+        f.write_attribute(f"{base}/gpu_busy_percent", use.get("busy", 0))
+        f.write_attribute(f"{base}/mem_busy_percent", use.get("memBusy", 0))
+        f.write_attribute(f"{base}/mem_info_vram_used", use.get("vramUsed", 0))
+        f.write_attribute(f"{base}/pp_dpm_sclk", "0: 500Mhz\n1: 1700Mhz *\n2: 2100Mhz")
+        f.write_attribute(f"{base}/pp_dpm_mclk", "0: 900Mhz\n1: 1300Mhz *")
+        hwmon = f"{base}/hwmon/hwmon{g + 2}"
+        f.write_attribute(f"{hwmon}/name", "amdgpu")
+        for n, (label, milli) in enumerate((("edge", 41000), ("junction", 47000), ("mem", 44000)), start=1):
+            f.write_attribute(f"{hwmon}/temp{n}_input", milli)
+            f.write_attribute(f"{hwmon}/temp{n}_label", label)
+        power = "power1_input" if self.model.partitionable else "power1_average"  # MI300 hides the average
+        f.write_attribute(f"{hwmon}/{power}", use.get("powerMicroW", 90_000_000))
+
     def _drm(self, drm: str, g: int, k: int, device_link: str | None = None) -> None:
         f = self.fake
         card, render = self.card(g, k), self.render(g, k)
@@ -241,6 +268,7 @@ class FakeAmd:
     def _write_kfd(self) -> None:
         f, m = self.fake, self.model
         f.remove("/sys/class/kfd/kfd/topology/nodes")
+        self.gpu_ids.clear()
         numa_nodes = sorted(set(self.profile.numa))
         nodes: list[tuple[int, int, int]] = []  # (kfd node, gpu, partition)
         index = len(numa_nodes)
@@ -281,6 +309,7 @@ class FakeAmd:
                 ),
             )
             f.write_attribute(f"{where}/gpu_id", 1000 + node)
+            self.gpu_ids[(g, k)] = 1000 + node
             f.write_attribute(f"{where}/name", f"gfx{m.gfx // 10000}{m.gfx // 100 % 100:x}{m.gfx % 100:x}")
             f.write_attribute(
                 f"{where}/mem_banks/0/properties",
@@ -333,11 +362,25 @@ class FakeAmd:
         return fake
 
     # ------------------------------------------------------------------ live changes
-    def set_ras(self, g: int, block: str, ue: int) -> None:
-        """An uncorrectable error count changes: a value, no inotify event (as on sysfs)."""
+    def set_ras(self, g: int, block: str, ue: int, ce: int = 0) -> None:
+        """An error count changes: a value, no inotify event (as on sysfs)."""
         self.ras[f"{g}/{block}"] = ue
-        self.fake.set_attribute(f"{self._gpu_dir(g)}/ras/{block}_err_count", f"ue: {ue}\nce: 0")
+        self.fake.set_attribute(f"{self._gpu_dir(g)}/ras/{block}_err_count", f"ue: {ue}\nce: {ce}")
         self._save()
+
+    def set_usage(self, g: int, **values: int) -> None:
+        """What GPU ``g`` is doing: ``busy``, ``memBusy`` (percent), ``vramUsed`` (bytes), ``powerMicroW``."""
+        self.usage.setdefault(g, {}).update(values)
+        self._write_usage(g)
+
+    def run_process(self, pid: int, vram: dict[tuple[int, int], int]) -> None:
+        """A process with KFD memory on (GPU, partition) pairs: ``proc/<pid>/vram_<gpu_id>`` per KFD node."""
+        for (g, k), used in vram.items():
+            self.fake.write_attribute(f"/sys/class/kfd/kfd/proc/{pid}/vram_{self.gpu_ids[(g, k)]}", used)
+        self.fake.write_attribute(f"/sys/class/kfd/kfd/proc/{pid}/pasid", 0x8000 + pid % 0x1000)
+
+    def end_process(self, pid: int) -> None:
+        self.fake.remove(f"/sys/class/kfd/kfd/proc/{pid}")
 
     def repartition(self, mode: str, gpus: list[int] | None = None) -> None:
         """``amd-smi set --compute-partition``: the mode files change in place, KFD's nodes are rebuilt."""

@@ -190,6 +190,7 @@ class FakeLibcndev:
         code, card = self._card("cndevGetMemoryUsageV2", handle)
         if code == c.CNDEV_SUCCESS:
             out.physicalMemoryTotal = card["memory_mib"]
+            out.physicalMemoryUsed = card.get("memory_used_mib", 0)
         return code
 
     def cndevGetNUMANodeIdByDevId(self, numa: Any, handle: int) -> int:
@@ -231,6 +232,45 @@ class FakeLibcndev:
                 card["device_state"],
                 card["driver_state"],
             )
+        return code
+
+    # -- telemetry ---------------------------------------------------------------------------------------
+    def cndevGetDeviceUtilizationInfo(self, util: Any, handle: int) -> int:
+        out = _out(util)
+        code, card = self._card("cndevGetDeviceUtilizationInfo", handle, out)
+        if code == c.CNDEV_SUCCESS:
+            out.averageCoreUtilization = card.get("utilization", 0)
+        return code
+
+    def cndevGetDevicePowerInfo(self, power: Any, handle: int) -> int:
+        out = _out(power)
+        code, card = self._card("cndevGetDevicePowerInfo", handle)  # no version field in this structure
+        if code == c.CNDEV_SUCCESS:
+            out.usage, out.cap, out.tdp = card.get("power_w", 75), 150, 150
+        return code
+
+    def cndevGetTemperatureInfo(self, temp: Any, handle: int) -> int:
+        out = _out(temp)
+        code, card = self._card("cndevGetTemperatureInfo", handle, out)
+        if code == c.CNDEV_SUCCESS:
+            out.board, out.chip, out.memory = card.get("temperatures", [35, 46, 40])
+        return code
+
+    def cndevGetProcessInfo(self, info_count: Any, proc_info: Any, handle: int) -> int:
+        count = _out(info_count)
+        code, card = self._card("cndevGetProcessInfo", handle)
+        if code != c.CNDEV_SUCCESS:
+            return code
+        listed = card.get("processes", [])  # [[pid, KiB], …]
+        room = int(count.value)
+        count.value = len(listed)
+        if len(listed) > room:
+            return c.CNDEV_ERROR_INSUFFICIENT_SPACE
+        for i, (pid, kib) in enumerate(listed):
+            entry = proc_info[i]
+            if not 1 <= entry.version <= c.CNDEV_VERSION_6:
+                return c.CNDEV_ERROR_UNSUPPORTED_API_VERSION
+            entry.pid, entry.physicalMemoryUsed, entry.virtualMemoryUsed = pid, kib, kib
         return code
 
     def cndevGetComputeMode(self, mode: Any, handle: int) -> int:
@@ -338,6 +378,13 @@ class FakeCambricon:
             fail.pop(call, None)
         else:
             fail[call] = code
+        self._save()
+
+    def set_usage(self, index: int, **values: Any) -> None:
+        """What the MLU is doing: ``utilization`` (percent), ``memory_used_mib``, ``power_w``,
+        ``temperatures`` ([board, chip, memory] °C), ``processes`` ([(pid, KiB), …])."""
+        card = self.state["cards"][index]
+        card.update({k: [list(p) for p in v] if k == "processes" else v for k, v in values.items()})
         self._save()
 
     def lose(self, index: int) -> None:

@@ -42,6 +42,15 @@ DAVINCI_MAJOR = 236  # any char major: the fake nodes are only stat'ed and mount
 MANAGEMENT_NODES = {"/dev/davinci_manager": (237, 0), "/dev/devmm_svm": (238, 0), "/dev/hisi_hdc": (239, 0)}
 
 
+# what changes while the machine runs, shared with other processes through the state file
+LIVE = (
+    *("health", "health_rc", "errors", "present"),
+    *("utilization", "power_tenths", "temperature", "memory_used_mib", "processes"),
+)
+# input_type → what a chip without HBM (310P) does not answer
+HBM_ONLY = {dcmi.UTILIZATION_HBM, dcmi.UTILIZATION_HBM_BANDWIDTH}
+
+
 @dataclass
 class FakeChip:
     card: int
@@ -63,6 +72,12 @@ class FakeChip:
     health_rc: int = 0  # -8012: the card dropped off the bus
     errors: list[int] = field(default_factory=list)
     present: bool = True  # False: gone from the card list and /dev (hot-unplugged)
+    # what the chip is doing: utilization by input_type (as text keys: JSON), 0.1 W, °C, MiB, [[pid, bytes]]
+    utilization: dict[str, int] = field(default_factory=dict)
+    power_tenths: int = 851
+    temperature: int = 43
+    memory_used_mib: int = 3072
+    processes: list[list[int]] = field(default_factory=list)
 
     @property
     def bus_id(self) -> str:
@@ -226,10 +241,7 @@ class FakeDcmi:
     def _save(self) -> None:
         state = {
             "initRc": self.profile.init_rc,
-            "chips": {
-                str(c.phy): {k: asdict(c)[k] for k in ("health", "health_rc", "errors", "present")}
-                for c in self.profile.chips
-            },
+            "chips": {str(c.phy): {k: asdict(c)[k] for k in LIVE} for c in self.profile.chips},
         }
         write_atomically(self.host.path(STATE_FILE), json.dumps(state))
         self._state_mtime = os.stat(self.host.path(STATE_FILE)).st_mtime_ns
@@ -274,6 +286,15 @@ class FakeDcmi:
 
     def recover(self, phy: int) -> None:
         self._change(phy, health=0, health_rc=0, errors=[])
+
+    def set_usage(self, phy: int, **values: Any) -> None:
+        """What the chip is doing: ``utilization={input_type: percent}``, ``power_tenths``, ``temperature``,
+        ``memory_used_mib``, ``processes=[(pid, bytes), …]``."""
+        if "utilization" in values:
+            values["utilization"] = {str(k): v for k, v in values["utilization"].items()}
+        if "processes" in values:
+            values["processes"] = [list(p) for p in values["processes"]]
+        self._change(phy, **values)
 
     def lose(self, phy: int) -> None:
         """Hot-unplug: gone from the card list and from /dev."""
@@ -431,7 +452,9 @@ class FakeDcmi:
             return chip
         if not chip.hbm:
             return dcmi.ERR_NOT_SUPPORT
-        out.memory_size, out.memory_usage, out.temp = chip.memory_mib, 3072, 40
+        out.memory_size, out.memory_usage, out.temp = chip.memory_mib, chip.memory_used_mib, 40
+        out.freq = 1600
+        out.bandwith_util_rate = chip.utilization.get(str(dcmi.UTILIZATION_HBM_BANDWIDTH), 0)
         return dcmi.DCMI_OK
 
     def dcmi_get_device_memory_info_v3(self, card_id: Any, device_id: Any, memory_info: Any) -> int:
@@ -440,7 +463,63 @@ class FakeDcmi:
         if isinstance(chip, int):
             return chip
         size = chip.memory_mib if not chip.hbm else 15360  # 910 chips report their small DDR here
-        out.memory_size, out.memory_available = size, size - 1024
+        used = chip.memory_used_mib if not chip.hbm else 1024
+        out.memory_size, out.memory_available = size, size - used
+        out.utiliza = used * 100 // size
+        return dcmi.DCMI_OK
+
+    def dcmi_get_device_utilization_rate(
+        self, card_id: Any, device_id: Any, input_type: Any, utilization_rate: Any
+    ) -> int:
+        self._count("dcmi_get_device_utilization_rate")
+        out, kind = _out(utilization_rate, ctypes.c_uint), _int(input_type)
+        chip = self._query(card_id, device_id)
+        if isinstance(chip, int):
+            return chip
+        if kind not in (2, 3, 4, 6, 10, 12, 13) or (kind in HBM_ONLY and not chip.hbm):
+            return dcmi.ERR_NOT_SUPPORT  # the reference lists 2, 3, 4, 6, 10, 12 and 13 as supported
+        out.value = chip.utilization.get(str(kind), 0)
+        return dcmi.DCMI_OK
+
+    def dcmi_get_device_power_info(self, card_id: Any, device_id: Any, power: Any) -> int:
+        out = _out(power, ctypes.c_int)
+        chip = self._query(card_id, device_id)
+        if isinstance(chip, int):
+            return chip
+        out.value = chip.power_tenths
+        return dcmi.DCMI_OK
+
+    def dcmi_get_device_temperature(self, card_id: Any, device_id: Any, temperature: Any) -> int:
+        out = _out(temperature, ctypes.c_int)
+        chip = self._query(card_id, device_id)
+        if isinstance(chip, int):
+            return chip
+        out.value = chip.temperature
+        return dcmi.DCMI_OK
+
+    def dcmi_get_device_frequency(self, card_id: Any, device_id: Any, input_type: Any, frequency: Any) -> int:
+        out, kind = _out(frequency, ctypes.c_uint), _int(input_type)
+        chip = self._query(card_id, device_id)
+        if isinstance(chip, int):
+            return chip
+        mhz = {dcmi.FREQ_AICORE_CURRENT: 1650, dcmi.FREQ_HBM: 1600 if chip.hbm else 0, dcmi.FREQ_DDR: 3200}
+        if not mhz.get(kind):
+            return dcmi.ERR_NOT_SUPPORT
+        out.value = mhz[kind]
+        return dcmi.DCMI_OK
+
+    def dcmi_get_device_resource_info(
+        self, card_id: Any, device_id: Any, proc_info: Any, proc_num: Any
+    ) -> int:
+        self._count("dcmi_get_device_resource_info")
+        entries, count = _out(proc_info, ctypes.Array), _out(proc_num, ctypes.c_int)
+        chip = self._query(card_id, device_id)
+        if isinstance(chip, int):
+            return chip
+        listed = chip.processes[: min(len(entries), dcmi.MAX_PROC_NUM)]
+        for i, (pid, used) in enumerate(listed):
+            entries[i].proc_id, entries[i].proc_mem_usage = pid, used
+        count.value = len(listed)
         return dcmi.DCMI_OK
 
 

@@ -30,7 +30,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,15 @@ class FakeAip:
     pci_device: int = 0x1020  # Gaudi2
     device_type: str = "GAUDI2"
     lost: bool = False
+    # what the device is doing (hlmlDeviceGet* answers); a name in ``unsupported`` answers NOT_SUPPORTED
+    aip_util: int = 0
+    memory_used: int = 512 * 1024 * 1024
+    power_mw: int = 182_000
+    temperatures: dict[int, int] = field(default_factory=lambda: {0: 38, 1: 31, 3: 36})  # by sensor
+    soc_mhz: int = 1600
+    ecc: dict[int, int] = field(default_factory=dict)  # by error type (volatile)
+    energy_mj: int = 5_400_000
+    unsupported: set[str] = field(default_factory=set)
 
     @property
     def bus_id(self) -> str:
@@ -272,8 +281,43 @@ class FakeHlml:
 
     def hlmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
         aip = self._aip(handle)
-        used = 512 * 1024 * 1024
+        used = aip.memory_used
         return hlml_t.c_hlml_memory(free=aip.memory_bytes - used, total=aip.memory_bytes, used=used)
+
+    # ------------------------------------------------------------------ telemetry
+    def _measured(self, handle: Any, call: str) -> FakeAip:
+        aip = self._aip(handle)
+        if call in aip.unsupported:
+            raise _err(R.HLML_ERROR_NOT_SUPPORTED)
+        return aip
+
+    def hlmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        aip = self._measured(handle, "hlmlDeviceGetUtilizationRates")
+        return hlml_t.c_hlml_utilization(aip=aip.aip_util, memory=0)
+
+    def hlmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        return self._measured(handle, "hlmlDeviceGetPowerUsage").power_mw
+
+    def hlmlDeviceGetTemperature(self, handle: Any, sensor_type: int) -> int:
+        aip = self._measured(handle, "hlmlDeviceGetTemperature")
+        if int(sensor_type) not in aip.temperatures:
+            raise _err(R.HLML_ERROR_NOT_SUPPORTED)
+        return aip.temperatures[int(sensor_type)]
+
+    def hlmlDeviceGetClockInfo(self, handle: Any, clock_type: int = 0) -> int:
+        aip = self._measured(handle, "hlmlDeviceGetClockInfo")
+        if int(clock_type) != types.HLML_CLOCK_TYPE.HLML_CLOCK_SOC:
+            raise _err(R.HLML_ERROR_NOT_SUPPORTED)
+        return aip.soc_mhz
+
+    def hlmlDeviceGetTotalECCErrors(self, handle: Any, error_type: int, counter_type: int) -> int:
+        aip = self._measured(handle, "hlmlDeviceGetTotalECCErrors")
+        if int(counter_type) not in (0, 1) or int(error_type) not in (0, 1):
+            raise _err(R.HLML_ERROR_INVALID_ARGUMENT)
+        return aip.ecc.get(int(error_type), 0)
+
+    def hlmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+        return self._measured(handle, "hlmlDeviceGetTotalEnergyConsumption").energy_mj
 
     # ------------------------------------------------------------------ events
     def _set(self, st: Any) -> FakeEventSet:

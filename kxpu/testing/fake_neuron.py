@@ -103,6 +103,13 @@ def neighbours(profile: NeuronProfile, index: int) -> list[int]:
     return []
 
 
+# device_mem's categories (neuron_sysfs_metrics.c, device_mem_category_counter_nodes_info_tbl)
+MEMORY_CATEGORIES = (
+    *("model_code", "tensors", "constants", "model_shared_scratchpad", "runtime_memory", "driver_memory"),
+    *("collectives", "nonshared_scratchpad", "notifications", "dma_rings", "uncategorized"),
+)
+
+
 class FakeNeuron:
     """One fake Neuron machine under ``root`` (a new temporary directory by default)."""
 
@@ -165,6 +172,8 @@ class FakeNeuron:
         for core in range(p.physical_cores):
             self.fake.write_attribute(f"{base}/neuron_core{core}/info/architecture/arch_type", p.arch[1])
             self.fake.write_attribute(f"{base}/neuron_core{core}/stats/status/success/total", 0)
+            self.fake.write_attribute(f"{base}/neuron_core{core}/stats/status/success/present", 0)
+            self.set_memory(index, core, {})
         self.fake.symlink(
             f"/sys/class/neuron_device/neuron{index}", f"../../devices/virtual/neuron_device/neuron{index}"
         )
@@ -173,6 +182,17 @@ class FakeNeuron:
     # ------------------------------------------------------------------ changes, as hardware makes them
     def set_ecc(self, index: int, kind: Literal["mem", "sram"], count: int) -> None:
         self.fake.set_attribute(self.attribute(index, f"{kind}_ecc_uncorrected"), count)
+
+    def set_memory(self, index: int, core: int, present: dict[str, int]) -> None:
+        """What a core's runtime holds by category (bytes), as ``stats/memory_usage/device_mem`` shows it: each
+        category's ``present``/``total``/``peak`` and their sum at the top."""
+        base = f"{DEVICE_DIR}/neuron{index}/neuron_core{core}/stats/memory_usage/device_mem"
+        for category in MEMORY_CATEGORIES:
+            value = present.get(category, 0)
+            for name in ("present", "total", "peak"):
+                self.fake.write_attribute(f"{base}/{category}/{name}", value)
+        for name in ("present", "total", "peak"):
+            self.fake.write_attribute(f"{base}/{name}", sum(present.values()))
 
     def set_state(self, index: int, state: int) -> None:
         """The device state ``reset`` reads back: 0 resetting, 1 ready, 2 invalid."""

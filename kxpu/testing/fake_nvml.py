@@ -226,6 +226,15 @@ class FakeGpu:
     )
     ecc_supported: bool = True
     ecc_errors: dict[tuple[int, int], int] = field(default_factory=dict)  # (error type, counter type) → count
+    energy_mj: int = 1_234_567_000  # nvmlDeviceGetTotalEnergyConsumption: mJ since the driver loaded
+    pcie_kbps: tuple[int, int] = (0, 0)  # nvmlDeviceGetPcieThroughput: (TX, RX) KB/s over the last 20 ms
+    # nvmlDeviceGetRemappedRows: (correctable rows, uncorrectable rows, pending, failure); Ampere and newer
+    remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
+    clocks_event_reasons: int = pynvml.nvmlClocksEventReasonGpuIdle
+    # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX / _RX per link (scope ID): KiB since the driver loaded
+    nvlink_kib: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # GPM (Hopper and newer): metric ID → the value nvmlGpmMetricsGet computes between two samples (percent)
+    gpm: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -495,6 +504,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self._initialized = 0
         self._event_sets: list[FakeEventSet] = []
+        self._gpm_samples: dict[int, tuple[Any, int | None]] = {}  # sample address → (sample, GPU it holds)
         self.calls: dict[str, int] = {}
         self._host_root: Path | None = None
         self._control: socket.socket | None = None
@@ -1065,6 +1075,97 @@ class FakeNvml:
         if not gpu.ecc_supported:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return gpu.ecc_errors.get((errorType, counterType), 0)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeHandle) -> int:
+        gpu = self._whole(handle)
+        if gpu.cuda_cc < (7, 0):
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # Volta and newer
+        return gpu.energy_mj
+
+    def nvmlDeviceGetPcieThroughput(self, device: FakeHandle, counter: int) -> int:
+        gpu = self._whole(device)
+        if counter not in (pynvml.NVML_PCIE_UTIL_TX_BYTES, pynvml.NVML_PCIE_UTIL_RX_BYTES):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.pcie_kbps[counter]
+
+    def nvmlDeviceGetRemappedRows(self, device: FakeHandle) -> tuple[int, int, int, int]:
+        gpu = self._whole(device)
+        if gpu.cuda_cc < (8, 0):
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # row remapping: Ampere and newer
+        return gpu.remapped_rows
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeHandle) -> int:
+        return self._whole(handle).clocks_event_reasons
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:
+        return self._whole(handle).clocks_event_reasons
+
+    def nvmlDeviceGetFieldValues(self, handle: FakeHandle, fieldIds: list[Any]) -> Any:
+        """As pynvml: an array of c_nvmlFieldValue_t, each with its own nvmlReturn; ``fieldIds`` items are IDs or
+        (ID, scope ID) pairs. Only the NVLink data throughput fields are known here."""
+        gpu = self._whole(handle)
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        for i, requested in enumerate(fieldIds):
+            field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
+            value = values[i]
+            value.fieldId, value.scopeId, value.timestamp = field_id, scope, int(time.time() * 1e6)
+            direction = {
+                pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: 0,
+                pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: 1,
+            }.get(field_id)
+            if direction is None or scope not in gpu.nvlink_kib:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            value.value.ullVal = gpu.nvlink_kib[scope][direction]
+        return values
+
+    # GPM: opaque samples (pynvml's c_nvmlGpmSample_t pointers), filled by nvmlGpmSampleGet, compared by
+    # nvmlGpmMetricsGet; a GPU before Hopper is not a supported device.
+    def nvmlGpmQueryDeviceSupport(self, device: FakeHandle) -> Any:
+        gpu = self._whole(device)
+        return pynvml.c_nvmlGpmSupport_t(
+            version=pynvml.NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(gpu.cuda_cc >= (9, 0))
+        )
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        sample = ctypes.pointer(pynvml.struct_c_nvmlGpmSample_t())
+        self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value or 0] = (sample, None)
+        return sample
+
+    def _gpm_sample(self, sample: Any) -> int:
+        key = ctypes.cast(sample, ctypes.c_void_p).value if sample else None
+        if key is None or key not in self._gpm_samples:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return key
+
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        del self._gpm_samples[self._gpm_sample(gpmSample)]
+
+    def nvmlGpmSampleGet(self, device: FakeHandle, gpmSample: Any) -> Any:
+        gpu = self._whole(device)
+        if gpu.cuda_cc < (9, 0):
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        key = self._gpm_sample(gpmSample)
+        self._gpm_samples[key] = (self._gpm_samples[key][0], self.gpus.index(gpu))
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise _err(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        first = self._gpm_samples[self._gpm_sample(metricsGet.sample1)][1]
+        second = self._gpm_samples[self._gpm_sample(metricsGet.sample2)][1]
+        if first is None or first != second or not 0 < metricsGet.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        values = self.gpus[first].gpm
+        for i in range(metricsGet.numMetrics):
+            metric = metricsGet.metrics[i]
+            if metric.metricId in values:
+                metric.value, metric.nvmlReturn = values[metric.metricId], pynvml.NVML_SUCCESS
+            else:
+                metric.value, metric.nvmlReturn = 0.0, pynvml.NVML_ERROR_NOT_SUPPORTED
+        return metricsGet
 
     def nvmlDeviceGetComputeMode(self, handle: FakeHandle) -> int:
         return self._whole(handle).compute_mode

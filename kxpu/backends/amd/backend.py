@@ -37,10 +37,20 @@ from kxpu.backends.amd.sysfs import (
     Unit,
     amdsmi_uuid,
 )
+from kxpu.backends.amd.telemetry import AmdSampler, SampledUnit
 from kxpu.backends.host import Host, HostBackendConfig, chosen_host, host_changes
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
-from kxpu.model import Backend, BackendError, ContainerEdits, Device, DeviceNode, Health, Mount
+from kxpu.model import (
+    Backend,
+    BackendError,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Health,
+    Mount,
+    TelemetrySample,
+)
 
 log = get_logger("kxpu.backends.amd")
 
@@ -107,6 +117,7 @@ class _HealthMemory:
 @register_backend("amd", AmdConfig)
 class AmdBackend(Backend):
     vendor = AMD_VENDOR
+    vendor_label = "amd"
     what = "AMD GPU"
     control_nodes: tuple[tuple[str, str], ...] = (("/dev/kfd", "rw"),)
 
@@ -120,6 +131,9 @@ class AmdBackend(Backend):
         self._smi_started = False
         self._smi_error: str | None = None
         self._units: dict[str, Unit] = {}
+        self._sampled: list[SampledUnit] = []  # the served units, for sample()
+        self._sampler = AmdSampler(self.host, self.vendor_label)
+        self._sample_errors: set[str] = set()
         self._snapshot = Snapshot(False)
         self._links: tuple[tuple[int, ...], dict[tuple[int, int], int]] | None = None
         self._reported: dict[str, str | None] | None = None
@@ -186,6 +200,19 @@ class AmdBackend(Backend):
                 log.warning("amdsmi shut down failed", error=_smi_text(exc))
             self._smi_started = False
 
+    # ------------------------------------------------------------------ telemetry
+    def sample(self) -> TelemetrySample:
+        """sysfs and KFD's figures for the units of the last discovery (``telemetry.py``); a GPU whose files
+        cannot be read is reported without figures, logged once."""
+        with self._lock:
+            units = list(self._sampled)
+        sample, errors = self._sampler.sample(units)
+        for error in errors:
+            if error not in self._sample_errors:
+                self._sample_errors.add(error)
+                log.warning("telemetry: a GPU's figures cannot be read", error=error)
+        return sample
+
     # ------------------------------------------------------------------ discovery
     def _served(self, unit: Unit) -> bool:
         wanted = getattr(self.config, "partition_type", None)
@@ -202,14 +229,18 @@ class AmdBackend(Backend):
             siblings = Counter(u.gpu.bdf for u in snap.units)
             devices: list[Device] = []
             units: dict[str, Unit] = {}
+            sampled: list[SampledUnit] = []
             for unit in snap.units:
                 if not self._served(unit):
                     continue
                 device_id = self.device_id(unit)
                 units[device_id] = unit
                 reason = gpu_reasons[unit.gpu.bdf] or self._unit_reason(unit)
-                devices.append(self._device(device_id, unit, reason, siblings[unit.gpu.bdf]))
-            self._units, self._snapshot = units, snap
+                device = self._device(device_id, unit, reason, siblings[unit.gpu.bdf])
+                devices.append(device)
+                whole = siblings[unit.gpu.bdf] <= 1
+                sampled.append(SampledUnit(device.uuid or device.id, unit, unit.partition == 0, whole))
+            self._units, self._snapshot, self._sampled = units, snap, sampled
             self._log_changes(snap, devices)
             return devices
 
@@ -414,6 +445,7 @@ class AmdBackend(Backend):
 @register_backend("hygon", HygonConfig)
 class HygonBackend(AmdBackend):
     vendor = HYGON_VENDOR
+    vendor_label = "hygon"
     what = "Hygon DCU"
     control_nodes = (("/dev/kfd", "rwm"), ("/dev/mkfd", "rwm"))
     label_prefix = ""  # the fork's labeller writes only the experimental form

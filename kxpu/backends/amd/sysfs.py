@@ -52,6 +52,7 @@ class KfdNode:
     gfx_target_version: int
     num_xcc: int
     memory_bytes: int | None
+    gpu_id: int | None = None  # KFD's ID of the node: names its per-process files (proc/<pid>/vram_<gpu_id>)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +192,7 @@ class AmdReader:
             gfx_target_version=gfx,
             num_xcc=_int(props, "num_xcc", where, 1),
             memory_bytes=_int(bank, "size_in_bytes", where, 0) or None,
+            gpu_id=self.host.read_int(f"{KFD_NODES}/{index}/gpu_id", 10),
         )
 
     def links(self, nodes: list[int]) -> dict[tuple[int, int], int]:

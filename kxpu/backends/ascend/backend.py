@@ -28,6 +28,7 @@ from kxpu.backends.ascend import dcmi
 from kxpu.backends.ascend.config import HAMI_TEMPLATES, AscendConfig, VnpuTemplate
 from kxpu.backends.ascend.dcmi import Dcmi, DcmiError, DcmiSource, default_source
 from kxpu.backends.ascend.discovery import Npu, cards, error_codes, read_npu
+from kxpu.backends.ascend.telemetry import sample_npus
 from kxpu.backends.host import Host, HostFileError, host_changes
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
@@ -40,6 +41,7 @@ from kxpu.model import (
     DeviceShare,
     Health,
     Mount,
+    TelemetrySample,
     numa_packed,
 )
 
@@ -66,6 +68,8 @@ class AscendBackend(Backend):
         self._reasons: dict[str, str | None] = {}  # device ID → last health reason, to log changes once
         self._names: dict[int, str] = {}  # physical ID → chip name, remembered for chips that stop answering
         self._chip = ""
+        self._sampled: list[tuple[str, Npu]] = []  # (UUID, chip) of the last discovery, for sample()
+        self._sample_errors: set[str] = set()
         self._start_dcmi()
         devices = self.discover()
         log.info(
@@ -186,8 +190,25 @@ class AscendBackend(Backend):
                 return value.strip()
         return None
 
+    def sample(self) -> TelemetrySample:
+        """DCMI's figures for the chips of the last discovery (``telemetry.py``); none while DCMI is down. A
+        call that fails is logged once (by call and code), the rest still sampled."""
+        lib, npus = self._lib, list(self._sampled)
+        if lib is None:
+            raise BackendError(f"DCMI is not available: {self._dcmi_error or 'not started'}")
+        errors: list[str] = []
+        sample = sample_npus(lib, npus, errors)
+        for error in errors:
+            if error not in self._sample_errors:
+                self._sample_errors.add(error)
+                log.warning("telemetry: a DCMI call failed; that figure is left out", error=error)
+        return sample
+
     def discover(self) -> list[Device]:
         npus = self._npus()
+        self._sampled = (
+            [] if isinstance(npus, str) else [(npu.uuid or self._id(npu.phy_id), npu) for npu in npus]
+        )
         devices = self._fallback(npus) if isinstance(npus, str) else self._from_dcmi(npus)
         self._physical = {d.id: int(d.extra["physicalID"]) for d in devices}
         self._log_changes(devices)

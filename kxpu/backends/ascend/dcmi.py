@@ -120,6 +120,32 @@ class DcmiMemoryInfo(ctypes.Structure):
     ]
 
 
+class DcmiProcMemInfo(ctypes.Structure):
+    """``struct dcmi_proc_mem_info`` (``dcmi_get_device_resource_info``): a process on the chip, memory in bytes."""
+
+    _fields_ = [("proc_id", ctypes.c_int), ("proc_mem_usage", ctypes.c_ulong)]
+
+
+MAX_PROC_NUM = 32  # MAX_PROC_NUM_IN_DEVICE: the most processes dcmi_get_device_resource_info lists
+
+# dcmi_get_device_utilization_rate's input_type (DCMI API reference)
+UTILIZATION_MEMORY = 1
+UTILIZATION_AICORE = 2
+UTILIZATION_AICPU = 3
+UTILIZATION_CTRLCPU = 4
+UTILIZATION_MEMORY_BANDWIDTH = 5
+UTILIZATION_HBM = 6
+UTILIZATION_DDR = 8
+UTILIZATION_HBM_BANDWIDTH = 10
+UTILIZATION_VECTORCORE = 12
+UTILIZATION_NPU = 13
+# enum dcmi_freq_type (dcmi_get_device_frequency, MHz)
+FREQ_DDR = 1
+FREQ_CTRLCPU = 2
+FREQ_HBM = 6
+FREQ_AICORE_CURRENT = 7
+FREQ_VECTORCORE_CURRENT = 12
+
 _INT_P = ctypes.POINTER(ctypes.c_int)
 _UINT_P = ctypes.POINTER(ctypes.c_uint)
 _C = ctypes.c_int
@@ -138,6 +164,11 @@ SIGNATURES: dict[str, list[Any]] = {
     "dcmi_get_device_pcie_info_v2": [_C, _C, ctypes.POINTER(DcmiPcieInfoAll)],
     "dcmi_get_device_hbm_info": [_C, _C, ctypes.POINTER(DcmiHbmInfo)],
     "dcmi_get_device_memory_info_v3": [_C, _C, ctypes.POINTER(DcmiMemoryInfo)],
+    "dcmi_get_device_utilization_rate": [_C, _C, _C, _UINT_P],
+    "dcmi_get_device_power_info": [_C, _C, _INT_P],  # 0.1 W
+    "dcmi_get_device_temperature": [_C, _C, _INT_P],  # °C
+    "dcmi_get_device_frequency": [_C, _C, _C, _UINT_P],
+    "dcmi_get_device_resource_info": [_C, _C, ctypes.POINTER(DcmiProcMemInfo), _INT_P],
 }
 
 

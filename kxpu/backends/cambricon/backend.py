@@ -26,13 +26,26 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from kxpu.backends.cambricon.cndev import Card, Cndev, CndevError, load_library
+from kxpu.backends.cambricon.cndev import Card, Cndev, CndevError, Telemetry, load_library
 from kxpu.backends.host import Host, HostBackendConfig, host_changes
 from kxpu.backends.registry import register_backend
 from kxpu.backends.templates import EnvTemplates, render_env
 from kxpu.logs import get_logger
-from kxpu.model import Backend, BackendError, ContainerEdits, Device, DeviceNode, Health, Mount, numa_packed
+from kxpu.model import (
+    Backend,
+    BackendError,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    DeviceUsage,
+    Health,
+    Mount,
+    ProcessUsage,
+    TelemetrySample,
+    numa_packed,
+)
 
+_MIB = 1024 * 1024
 log = get_logger("kxpu.backends.cambricon")
 
 VISIBLE_DEVICES_ENV = "CAMBRICON_VISIBLE_DEVICES"
@@ -113,6 +126,7 @@ class CambriconBackend(Backend):
         self._slots: dict[str, Slot] = {}
         self._compute_mode = True
         self._reported: dict[int, str | None] | None = None
+        self._sample_errors: set[str] = set()
         env_off = os.environ.get("DP_DISABLE_HEALTHCHECKS", "").lower() == "all"
         self._health_checks = not (config.disable_health_check or env_off)
 
@@ -142,6 +156,50 @@ class CambriconBackend(Backend):
         if message != self._init_error:
             log.error(message + "; every MLU is reported Unhealthy until it starts")
         self._init_error, self._init_reason = message, reason
+
+    # ------------------------------------------------------------------ telemetry
+    def sample(self) -> TelemetrySample:
+        """cndev's figures for the MLUs cndev named (utilization, memory, power, chip/board/memory temperatures,
+        each process's MLU memory); an MLU whose calls fail is reported without figures, logged once."""
+        devices: list[DeviceUsage] = []
+        processes: list[ProcessUsage] = []
+        with self._lock:
+            if self.cndev is None:
+                raise BackendError(f"cndev is not started: {self._init_error or 'not yet'}")
+            telemetry = Telemetry(self.cndev.lib)
+            for index, card in sorted(self._cards.items()):
+                try:
+                    use = telemetry.usage(telemetry.handle(index))
+                except CndevError as exc:
+                    if str(exc) not in self._sample_errors:
+                        self._sample_errors.add(str(exc))
+                        log.warning("telemetry: an MLU's figures cannot be read", mlu=index, error=str(exc))
+                    devices.append(
+                        DeviceUsage(uuid=card.uuid, index=index, model=card.model, vendor="cambricon")
+                    )
+                    continue
+                temperatures = dict(use.temperatures)
+                devices.append(
+                    DeviceUsage(
+                        uuid=card.uuid,
+                        index=index,
+                        model=card.model,
+                        vendor="cambricon",
+                        compute_utilization=use.utilization,
+                        memory_used_bytes=None if use.memory_used_mib is None else use.memory_used_mib * _MIB,
+                        memory_total_bytes=None
+                        if use.memory_total_mib is None
+                        else use.memory_total_mib * _MIB,
+                        power_watts=use.power_watts,
+                        temperature_celsius=temperatures.pop("chip", None),
+                        temperatures_celsius=temperatures,
+                    )
+                )
+                processes += [
+                    ProcessUsage(uuid=card.uuid, pid=pid, memory_used_bytes=size)
+                    for pid, size in use.processes
+                ]
+        return TelemetrySample(tuple(devices), tuple(processes))
 
     def close(self) -> None:
         with self._lock:

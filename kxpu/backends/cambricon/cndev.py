@@ -136,6 +136,55 @@ class cndevVersionedInt_t(ctypes.Structure):
 
 cndevNUMANodeId_t = cndevComputeMode_t = cndevCardCoreCount_t = cndevVersionedInt_t
 
+
+class cndevUtilizationInfo_t(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_int32),
+        ("averageCoreUtilization", ctypes.c_int32),  # percent
+        ("coreUtilization", ctypes.c_int32 * 80),
+    ]
+
+
+class cndevDevicePowerInfo_t(ctypes.Structure):
+    """No ``version`` field in this one (cndev.h)."""
+
+    _fields_ = [
+        ("usage", ctypes.c_int32),  # W
+        ("cap", ctypes.c_int32),
+        ("machine", ctypes.c_int32),
+        ("tdp", ctypes.c_int32),
+        ("maxPower", ctypes.c_int32),
+        ("reserved", ctypes.c_int32 * 16),
+    ]
+
+
+class cndevTemperatureInfo_t(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_int32),
+        ("board", ctypes.c_int32),  # °C
+        ("cluster", ctypes.c_int32 * 20),
+        ("memoryDie", ctypes.c_int32 * 8),
+        ("chip", ctypes.c_int32),
+        ("airInlet", ctypes.c_int32),
+        ("airOutlet", ctypes.c_int32),
+        ("memory", ctypes.c_int32),
+        ("videoInput", ctypes.c_int32),
+        ("cpu", ctypes.c_int32),
+        ("isp", ctypes.c_int32),
+    ]
+
+
+class cndevProcessInfo_t(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_int32),
+        ("pid", ctypes.c_uint32),
+        ("physicalMemoryUsed", ctypes.c_uint64),  # KiB
+        ("virtualMemoryUsed", ctypes.c_uint64),  # KiB
+    ]
+
+
+CNDEV_ERROR_INSUFFICIENT_SPACE = 9
+
 _P = ctypes.POINTER
 _INT = ctypes.c_int
 SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
@@ -154,6 +203,10 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "cndevGetVersionInfo": (_INT, [_P(cndevVersionInfo_t), _INT]),
     "cndevGetCardHealthState": (_INT, [_P(cndevCardHealthState_t), _INT]),
     "cndevGetComputeMode": (_INT, [_P(cndevVersionedInt_t), _INT]),
+    "cndevGetDeviceUtilizationInfo": (_INT, [_P(cndevUtilizationInfo_t), _INT]),
+    "cndevGetDevicePowerInfo": (_INT, [_P(cndevDevicePowerInfo_t), _INT]),
+    "cndevGetTemperatureInfo": (_INT, [_P(cndevTemperatureInfo_t), _INT]),
+    "cndevGetProcessInfo": (_INT, [_P(ctypes.c_uint32), _P(cndevProcessInfo_t), _INT]),
 }
 
 
@@ -313,3 +366,78 @@ class Cndev:
         ):
             return Health(False, "compute-mode-prohibited")
         return Health(True)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What one MLU is doing now; None where cndev does not support the call."""
+
+    utilization: float | None
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+    power_watts: float | None
+    temperatures: dict[str, float]
+    processes: list[tuple[int, int]]  # (host PID, bytes of MLU memory)
+
+
+def _supported(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except CndevError as exc:
+        if exc.code == CNDEV_ERROR_NOT_SUPPORTED:
+            return None
+        raise
+
+
+class Telemetry(Cndev):
+    """The sampling calls (``cndevGetDeviceUtilizationInfo``, ``cndevGetMemoryUsageV2``, ``cndevGetDevicePowerInfo``,
+    ``cndevGetTemperatureInfo``, ``cndevGetProcessInfo``); a call the library answers NOT_SUPPORTED is a figure
+    left out, any other error raises CndevError (the caller logs it once and goes on with the next MLU)."""
+
+    def usage(self, handle: int) -> Usage:
+        def utilization() -> float:
+            info = cndevUtilizationInfo_t(version=CNDEV_VERSION_6)
+            self._call("cndevGetDeviceUtilizationInfo", ctypes.byref(info), handle)
+            return int(info.averageCoreUtilization) / 100
+
+        def memory() -> cndevMemoryInfoV2_t:
+            info = cndevMemoryInfoV2_t()
+            self._call("cndevGetMemoryUsageV2", ctypes.byref(info), handle)
+            return info
+
+        def power() -> float:
+            info = cndevDevicePowerInfo_t()
+            self._call("cndevGetDevicePowerInfo", ctypes.byref(info), handle)
+            return float(info.usage)
+
+        def temperatures() -> dict[str, float]:
+            info = cndevTemperatureInfo_t(version=CNDEV_VERSION_6)
+            self._call("cndevGetTemperatureInfo", ctypes.byref(info), handle)
+            return {"chip": float(info.chip), "board": float(info.board), "memory": float(info.memory)}
+
+        mem = _supported(memory)
+        return Usage(
+            utilization=_supported(utilization),
+            memory_used_mib=None if mem is None else int(mem.physicalMemoryUsed),
+            memory_total_mib=None if mem is None else int(mem.physicalMemoryTotal),
+            power_watts=_supported(power),
+            temperatures=_supported(temperatures) or {},
+            processes=_supported(lambda: self.processes(handle)) or [],
+        )
+
+    def processes(self, handle: int) -> list[tuple[int, int]]:
+        """``cndevGetProcessInfo``: ``infoCount`` in is the room given, out the processes listed; asked again with
+        more room when it answers INSUFFICIENT_SPACE (as cnmon does)."""
+        room = 16
+        while True:
+            count = ctypes.c_uint32(room)
+            infos = (cndevProcessInfo_t * room)()
+            for info in infos:
+                info.version = CNDEV_VERSION_6
+            code = int(self._function("cndevGetProcessInfo")(ctypes.byref(count), infos, handle))
+            if code == CNDEV_ERROR_INSUFFICIENT_SPACE and room < 4096:
+                room = max(room * 2, int(count.value))
+                continue
+            if code != CNDEV_SUCCESS:
+                raise CndevError(code, "cndevGetProcessInfo", self.error_string(code))
+            return [(int(i.pid), int(i.physicalMemoryUsed) * 1024) for i in infos[: min(count.value, room)]]

@@ -25,10 +25,20 @@ from typing import Any
 from kxpu.backends.gaudi.config import GaudiConfig
 from kxpu.backends.gaudi.health import HealthMonitor, Watched
 from kxpu.backends.gaudi.hlml import HlmlSource, default_source, describe, is_code, text
+from kxpu.backends.gaudi.telemetry import sample_aips
 from kxpu.backends.host import Host, HostFileError
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
-from kxpu.model import Backend, BackendError, ContainerEdits, Device, DeviceNode, Health, numa_packed
+from kxpu.model import (
+    Backend,
+    BackendError,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Health,
+    TelemetrySample,
+    numa_packed,
+)
 
 log = get_logger("kxpu.backends.gaudi")
 
@@ -63,6 +73,7 @@ class GaudiBackend(Backend):
         self._listeners: set[Callable[[], None]] = set()
         self._listeners_lock = threading.Lock()
         self.driver_version: str | None = None
+        self._sample_errors: set[str] = set()
         self.aips = self._start()
         self._by_serial = {a.serial: a for a in self.aips}
         watched = [Watched(a.serial, a.handle) for a in self.aips if a.handle is not None and not a.error]
@@ -256,6 +267,24 @@ class GaudiBackend(Backend):
             self._initialized = False
             with contextlib.suppress(Exception):
                 self.hlml.hlmlShutdown()
+
+    def sample(self) -> TelemetrySample:
+        """HLML's figures for the devices this resource serves (``telemetry.py``); a failing call is logged once
+        and costs only its figure."""
+        if not self._initialized:
+            raise BackendError("HLML is not initialized (no driver, or the backend is closed)")
+        aips = [
+            (a.uuid or a.serial, a.index, a.name, a.handle)
+            for a in self.aips
+            if a.handle is not None and not a.error
+        ]
+        errors: list[str] = []
+        sample = sample_aips(self.source, aips, errors)
+        for error in errors:
+            if error not in self._sample_errors:
+                self._sample_errors.add(error)
+                log.warning("telemetry: an HLML call failed; that figure is left out", error=error)
+        return sample
 
     def close(self) -> None:
         if self.monitor is not None:

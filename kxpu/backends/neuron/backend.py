@@ -29,9 +29,19 @@ from kxpu.backends.neuron.sysfs import (
     NeuronHost,
     NeuronReader,
 )
+from kxpu.backends.neuron.telemetry import sample_devices
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
-from kxpu.model import Backend, BackendError, ContainerEdits, Device, DeviceNode, Health, numa_packed
+from kxpu.model import (
+    Backend,
+    BackendError,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Health,
+    TelemetrySample,
+    numa_packed,
+)
 
 log = get_logger("kxpu.backends.neuron")
 
@@ -96,6 +106,21 @@ class NeuronBackend(Backend):
         self._snapshot: NeuronHost | None = None
         self._lnc = 1
         self._block = 1
+        self._sample_errors: set[str] = set()
+
+    # ------------------------------------------------------------------ telemetry
+    def sample(self) -> TelemetrySample:
+        """The driver's sysfs counters for the devices of the last discovery (``telemetry.py``), one per physical
+        device in either unit; an unreadable device costs its figures and one log line."""
+        host = self._snapshot
+        devices = [(d.serial or f"neuron{d.index}", d) for d in (host.devices if host else ())]
+        errors: list[str] = []
+        sample = sample_devices(self.host, devices, errors)
+        for error in errors:
+            if error not in self._sample_errors:
+                self._sample_errors.add(error)
+                log.warning("telemetry: a Neuron device's counters cannot be read", error=error)
+        return sample
 
     # ------------------------------------------------------------------ discovery
     def _logical_core_config(self, devices: Sequence[NeuronDevice]) -> int:

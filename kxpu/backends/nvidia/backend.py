@@ -175,6 +175,9 @@ class NvidiaBackend(Backend):
         with self._nvml_lock:
             if self._initialized:
                 self._initialized = False
+                sampler = getattr(self, "sampler", None)  # none yet if the backend failed while being built
+                if sampler is not None:
+                    sampler.close()  # GPM samples are NVML's memory: freed before it shuts down
                 with contextlib.suppress(Exception):
                     self.nvml.nvmlShutdown()
 

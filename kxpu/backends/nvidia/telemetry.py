@@ -8,6 +8,17 @@ with each process's SM share since the previous sample (``nvmlDeviceGetProcessUt
 process inside a MIG instance is reported under that MIG device's UUID. Figures a GPU does not offer
 (utilization in MIG mode, ECC on boards without it) are left out; a GPU that stops answering is
 reported without figures rather than failing the sample. Xid counts come from the health thread.
+
+What operators use dcgm-exporter for, each named with the DCGM field it corresponds to (docs/telemetry.md):
+energy (``nvmlDeviceGetTotalEnergyConsumption``, mJ: DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION), PCIe throughput
+(``nvmlDeviceGetPcieThroughput``, KB/s over 20 ms: DCGM_FI_DEV_PCIE_TX_THROUGHPUT / _RX_), remapped rows
+(``nvmlDeviceGetRemappedRows``: DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS, _UNCORRECTABLE_, DCGM_FI_DEV_ROW_REMAP_PENDING,
+_FAILURE) and the reasons clocks are held down (``nvmlDeviceGetCurrentClocksEventReasons``, or the older
+``…ThrottleReasons``: DCGM_FI_DEV_CLOCKS_EVENT_REASONS, a bitmask here split into one flag per reason), and on
+NVLink data bytes (``nvmlDeviceGetFieldValues`` with NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX / _RX per active link,
+KiB counters summed: DCGM_FI_PROF_NVLINK_TX_BYTES / _RX_ as a rate), and on Hopper and newer the GPM profiling counters between this sample and the previous one (``nvmlGpmSampleGet`` into
+two samples kept per GPU, ``nvmlGpmMetricsGet``): graphics engine, SM and tensor activity, SM occupancy, DRAM
+bandwidth (DCGM_FI_PROF_GR_ENGINE_ACTIVE, _SM_ACTIVE, _PIPE_TENSOR_ACTIVE, _SM_OCCUPANCY, _DRAM_ACTIVE).
 """
 
 from __future__ import annotations
@@ -23,6 +34,28 @@ from kxpu.model import DeviceUsage, ProcessUsage, TelemetrySample
 
 T = TypeVar("T")
 NO_INSTANCE = 0xFFFFFFFF
+# nvmlClocksEventReason* bits → the ``reason`` label
+CLOCK_EVENT_REASONS = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+
+
+# GPM metric IDs (NVML_GPM_METRIC_*) → the ``counter`` label; NVML gives percent
+GPM_METRICS = {
+    "graphics_active": 1,  # NVML_GPM_METRIC_GRAPHICS_UTIL
+    "sm_active": 2,  # NVML_GPM_METRIC_SM_UTIL
+    "sm_occupancy": 3,  # NVML_GPM_METRIC_SM_OCCUPANCY
+    "tensor_active": 5,  # NVML_GPM_METRIC_ANY_TENSOR_UTIL
+    "dram_active": 10,  # NVML_GPM_METRIC_DRAM_BW_UTIL
+}
 
 
 class GpuSampler:
@@ -31,6 +64,84 @@ class GpuSampler:
         self.gpus = [g for g in gpus if g.handle is not None and g.error is None]
         self.monitor = monitor
         self._last_seen_us: dict[str, int] = {}  # per GPU: newest process-utilization sample read
+        self._gpm: dict[str, list[Any]] = {}  # per GPU: [previous sample, next sample] (NVML's memory)
+        self._gpm_taken: set[str] = set()  # GPUs whose previous sample holds a reading
+        self._gpm_unsupported: set[str] = set()
+        self._nvlinks: dict[str, list[int]] = {}  # per GPU: its active NVLinks, asked once
+
+    def close(self) -> None:
+        """Free the GPM samples (call with NVML still up)."""
+        for samples in self._gpm.values():
+            for sample in samples:
+                self._read(partial(self.nvml.nvmlGpmSampleFree, sample))
+        self._gpm.clear()
+        self._gpm_taken.clear()
+
+    def _nvlink_bytes(self, gpu: GpuInfo) -> dict[str, int]:
+        """Data bytes over all active NVLinks since the driver loaded (per-link KiB counters summed)."""
+        nvml, h = self.nvml, gpu.handle
+        links = self._nvlinks.get(gpu.uuid)
+        if links is None:
+            enabled = int(getattr(nvml, "NVML_FEATURE_ENABLED", 1))
+            links = self._nvlinks[gpu.uuid] = [
+                link
+                for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)))
+                if self._read(partial(nvml.nvmlDeviceGetNvLinkState, h, link)) == enabled
+            ]
+        if not links or not hasattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"):
+            return {}
+        fields = [
+            (int(getattr(nvml, f"NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_{d}")), link)
+            for d in ("TX", "RX")
+            for link in links
+        ]
+        values = self._read(partial(nvml.nvmlDeviceGetFieldValues, h, fields))
+        if values is None:
+            return {}
+        totals: dict[str, int] = {}
+        for (field_id, _), value in zip(fields, values, strict=False):
+            if value.nvmlReturn == nvml.NVML_SUCCESS:
+                direction = "tx" if field_id == nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX else "rx"
+                totals[direction] = totals.get(direction, 0) + int(value.value.ullVal) * 1024
+        return totals
+
+    def _profiling(self, gpu: GpuInfo) -> dict[str, float]:
+        """GPM's counters between the previous sample and this one; none on the first, or before Hopper."""
+        nvml, h, key = self.nvml, gpu.handle, gpu.uuid
+        if key in self._gpm_unsupported or not hasattr(nvml, "nvmlGpmSampleGet"):
+            return {}
+        samples = self._gpm.get(key)
+        if samples is None:
+            support = self._read(lambda: nvml.nvmlGpmQueryDeviceSupport(h))
+            made = [self._read(nvml.nvmlGpmSampleAlloc) for _ in range(2)]
+            if support is None or not support.isSupportedDevice or None in made:
+                for sample in made:
+                    if sample is not None:
+                        self._read(partial(nvml.nvmlGpmSampleFree, sample))
+                self._gpm_unsupported.add(key)
+                return {}
+            samples = self._gpm[key] = made
+        previous, current = samples
+        if self._read(partial(nvml.nvmlGpmSampleGet, h, current)) is None:
+            return {}
+        samples.reverse()  # this sample is the previous one next time
+        if key not in self._gpm_taken:
+            self._gpm_taken.add(key)
+            return {}
+        request = nvml.c_nvmlGpmMetricsGet_t()
+        request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = previous, current
+        for i, metric in enumerate(GPM_METRICS.values()):
+            request.metrics[i].metricId = metric
+        got = self._read(partial(nvml.nvmlGpmMetricsGet, request))
+        if got is None:
+            return {}
+        return {
+            name: float(got.metrics[i].value) / 100
+            for i, name in enumerate(GPM_METRICS)
+            if got.metrics[i].nvmlReturn == nvml.NVML_SUCCESS
+        }
 
     def _read(self, call: Callable[[], T]) -> T | None:
         try:
@@ -83,10 +194,24 @@ class GpuSampler:
             )
             if count is not None:
                 ecc[name] = int(count)
+        energy = self._read(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(h))
+        pcie = {
+            direction: float(kbps) * 1024
+            for direction, counter in (("tx", "NVML_PCIE_UTIL_TX_BYTES"), ("rx", "NVML_PCIE_UTIL_RX_BYTES"))
+            if (kbps := self._read(partial(nvml.nvmlDeviceGetPcieThroughput, h, getattr(nvml, counter))))
+            is not None
+        }
+        rows = self._read(lambda: nvml.nvmlDeviceGetRemappedRows(h))
+        reasons = None
+        for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+            call = getattr(nvml, name, None)  # the newer name is missing from older nvidia-ml-py
+            if call is not None and (reasons := self._read(partial(call, h))) is not None:
+                break
         return DeviceUsage(
             uuid=gpu.uuid,
             index=gpu.index,
             model=gpu.name,
+            vendor="nvidia",
             compute_utilization=None if util is None else int(util.gpu) / 100,
             memory_bandwidth_utilization=None if util is None else int(util.memory) / 100,
             memory_used_bytes=None if memory is None else int(memory.used),
@@ -96,6 +221,17 @@ class GpuSampler:
             clocks_hz=clocks,
             ecc_errors=ecc,
             xid_errors=dict(xids),
+            energy_joules=None if energy is None else int(energy) / 1000,
+            pcie_bytes_per_second=pcie,
+            remapped_rows={}
+            if rows is None
+            else {"correctable": int(rows[0]), "uncorrectable": int(rows[1])},
+            row_remap={} if rows is None else {"pending": bool(rows[2]), "failure": bool(rows[3])},
+            clock_event_reasons={}
+            if reasons is None
+            else {name: bool(int(reasons) & bit) for name, bit in CLOCK_EVENT_REASONS.items()},
+            profiling=self._profiling(gpu),
+            nvlink_bytes=self._nvlink_bytes(gpu),
         )
 
     def _processes(self, gpu: GpuInfo) -> list[ProcessUsage]:

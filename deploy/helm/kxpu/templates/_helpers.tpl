@@ -36,11 +36,58 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{- /* The node daemon's ServiceAccount. Its roles (and the admission policy that scopes them to a node) go to this
+account: never the namespace's "default", which every pod of the namespace may run as. */}}
 {{- define "kxpu.plugin.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (printf "%s-plugin" (include "kxpu.fullname" .) | trunc 63 | trimSuffix "-") .Values.serviceAccount.name }}
+{{- else if or (not .Values.serviceAccount.name) (eq .Values.serviceAccount.name "default") }}
+{{- fail "serviceAccount.create: false needs serviceAccount.name: an existing ServiceAccount for the node daemon alone (not the namespace's \"default\", which every pod there may run as and which would get the daemon's roles)" }}
 {{- else }}
-{{- default "default" .Values.serviceAccount.name }}
+{{- .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- /* kube-scheduler's image: by digest when one is set (sha256:...), else by tag. */}}
+{{- define "kxpu.kubeScheduler.image" -}}
+{{- $image := .Values.scheduler.kubeScheduler.image }}
+{{- if $image.digest }}
+{{- if not (regexMatch "^sha256:[0-9a-f]{64}$" $image.digest) }}
+{{- fail (printf "scheduler.kubeScheduler.image.digest: %q is not sha256:<64 hex digits>" $image.digest) }}
+{{- end }}
+{{- printf "%s@%s" $image.repository $image.digest }}
+{{- else }}
+{{- printf "%s:%s" $image.repository $image.tag }}
+{{- end }}
+{{- end }}
+
+{{- /* "true" when the node daemon talks to the API server (sharing, or a resource served through DRA): it then gets
+a token, roles, and the ValidatingAdmissionPolicy that keeps every write of its to its own node. */}}
+{{- define "kxpu.plugin.apiAccess" -}}
+{{- if or .Values.sharing.enabled (include "kxpu.dra.enabled" .) }}true{{ end }}
+{{- end }}
+
+{{- /* The backends that open device nodes (vendor libraries: NVML, DCMI, CNDev, HLML): their DaemonSets must be
+privileged with plugin.privileged: auto (values.yaml says why, per backend). */}}
+{{- define "kxpu.plugin.deviceBackends" -}}
+{{- toYaml (list "nvidia" "ascend" "cambricon" "gaudi") }}
+{{- end }}
+
+{{- /* "true" when the DaemonSet running node config `.config` must be privileged (plugin.privileged). */}}
+{{- define "kxpu.plugin.privileged" -}}
+{{- $mode := toString .root.Values.plugin.privileged }}
+{{- if eq $mode "true" }}true
+{{- else if eq $mode "auto" }}
+{{- $needs := false }}
+{{- $backends := include "kxpu.plugin.deviceBackends" .root | fromYamlArray }}
+{{- range $r := (get .config "resources" | default list) }}
+{{- range $b := $backends }}
+{{- if and (kindIs "map" $r) (hasKey $r $b) }}{{ $needs = true }}{{ end }}
+{{- end }}
+{{- end }}
+{{- if $needs }}true{{ end }}
+{{- else if ne $mode "false" }}
+{{- fail (printf "plugin.privileged: %q is not auto, true or false" $mode) }}
 {{- end }}
 {{- end }}
 

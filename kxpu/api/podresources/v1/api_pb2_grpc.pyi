@@ -3,8 +3,8 @@
 isort:skip_file
 kxpu's own description of the kubelet PodResources API v1 (served by the kubelet on
 /var/lib/kubelet/pod-resources/kubelet.sock). Wire-identical for the fields kxpu reads:
-package, service, method and message names, field numbers. Fields kxpu does not use
-(memory, dynamic resources) are left out; proto3 parsers skip them.
+package, service, method and message names, field numbers (k8s.io/kubelet/pkg/apis/podresources/v1).
+Fields kxpu does not use (memory) are left out; proto3 parsers skip them.
 """
 
 from collections import abc as _abc

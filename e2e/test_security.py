@@ -1,0 +1,494 @@
+"""The node daemon's identity reaches no further than its node, on a real API server (docs/security.md).
+
+The chart is installed with sharing on and a resource served through DRA, so the daemon holds every role it can
+hold. Then, as an attacker with root on the node would, the scenario takes a token of the daemon's ServiceAccount
+bound to the daemon's pod on this node (TokenRequest with a pod boundObjectRef: what the kubelet mounts), and
+sends the writes issue 19 lists. The API server refuses each one that reaches past the node (the chart's
+ValidatingAdmissionPolicy, or RBAC) and allows each one the daemon does. A second Node, API-only (no kubelet),
+carries the "other node" objects. The daemon itself keeps working under the policy (inventory, ResourceSlices),
+and its container runs as the chart promises: no capabilities, no new privileges, seccomp, as /proc reports.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import shutil
+import ssl
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+
+from e2e import kube
+from e2e.cluster import API_PORT, NODE_NAME, SERVICE_CIDR, TEST_IMAGE, Cluster
+from e2e.test_helm import ARCHIVE, CHART, daemon_pods, diagnostics, helm, image_ref, ready
+from e2e.test_helm import pytestmark as helm_skips
+from e2e.test_helm_sharing import ServiceRoutes, kube_scheduler_image
+from kxpu.sharing.inventory import annotation_key
+from kxpu.sharing.lock import lease_name, lock_key
+
+pytestmark = helm_skips  # no image archive or no helm: skipped, saying which
+
+RELEASE = "kxpu-e2e-sec"  # contains the chart's name: objects are <release>-<component>
+NAMESPACE = "kxpu-e2e-security"
+RES = "sec.kxpu.io/snpu"  # shared through the extender (device plugin)
+DRA_RES = "sec.kxpu.io/dnpu"  # served through DRA
+DRIVER = "dnpu.sec.kxpu.io"  # the driver name kxpu derives from DRA_RES
+OTHER_DRIVER = "other.example.com"
+OTHER_NODE = "kxpu-e2e-sec-other"  # an API-only Node: no kubelet behind it
+SERVICE_ACCOUNT = f"{RELEASE}-plugin"
+POLICY = f"{RELEASE}-plugin-node-scope"
+LEADER_LEASE = f"{RELEASE}-scheduler"
+TLS_SECRET = "kxpu-e2e-sec-webhook-tls"
+WEBHOOK = f"{RELEASE}-webhook"
+MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
+
+
+def values(kxpu_ref: str, scheduler_ref: str, ca_pem: bytes) -> dict[str, Any]:
+    repository, _, tag = kxpu_ref.rpartition(":")
+    ks_repository, _, ks_tag = scheduler_ref.rpartition(":")
+    return {
+        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+        "config": {
+            "version": "v1",
+            "resources": [
+                {
+                    "name": RES,
+                    "simulated": {"count": 2, "memoryMiB": 16000, "cores": 64},
+                    "sharing": {"splitCount": 2},
+                },
+                {"name": DRA_RES, "simulated": {"count": 2}, "serve": "dra"},
+            ],
+        },
+        # Only the real node: the DaemonSet must not put a pod on the API-only Node (nothing would ever run it).
+        "plugin": {
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchFields": [
+                                    {"key": "metadata.name", "operator": "In", "values": [NODE_NAME]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            }
+        },
+        "sharing": {"enabled": True, "families": [{"resource": RES}]},
+        "scheduler": {
+            "kubeScheduler": {"image": {"repository": ks_repository, "tag": ks_tag, "pullPolicy": "Never"}}
+        },
+        "webhook": {"tls": {"secretName": TLS_SECRET, "caBundle": base64.b64encode(ca_pem).decode()}},
+    }
+
+
+class Api:
+    """Raw requests to the API server with one bearer token: what the API server answers, status and message."""
+
+    def __init__(self, cluster: Cluster, token: str) -> None:
+        self.token = token
+        self.ctx = ssl.create_default_context(cafile=str(cluster.pki / "ca.crt"))
+
+    def send(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> tuple[int, str]:
+        request = urllib.request.Request(
+            f"https://127.0.0.1:{API_PORT}{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={
+                "Authorization": f"Bearer {self.token}",
+                "Content-Type": content_type,
+                "Accept": "application/json",
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30, context=self.ctx) as resp:
+                return resp.status, ""
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            try:
+                return exc.code, str(json.loads(text).get("message", text))
+            except ValueError:
+                return exc.code, text
+
+
+def pod_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/pods/{name}"
+
+
+def lease_path(name: str) -> str:
+    return f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{name}"
+
+
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+def slice_body(name: str, node: str, driver: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name},
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": f"sec-test-{node}", "generation": 1, "resourceSliceCount": 1},
+            "devices": [],
+        },
+    }
+
+
+def lock_lease(node: str) -> dict[str, Any]:
+    """A node lock Lease as the extender makes it (kxpu.sharing.kube.lease)."""
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": lease_name(node, RES),
+            "namespace": NAMESPACE,
+            "labels": {"kxpu.io/node-lock": "true"},
+            "annotations": {"kxpu.io/node": node, "kxpu.io/resource": RES},
+        },
+        "spec": {"holderIdentity": "held-by-the-test", "leaseDurationSeconds": 60},
+    }
+
+
+def idle_pod(name: str, node: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "nodeName": node,  # bound at creation, as the scheduler would
+            "terminationGracePeriodSeconds": 1,
+            "automountServiceAccountToken": False,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": TEST_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
+                }
+            ],
+        },
+    }
+
+
+def token_claims(token: str) -> dict[str, Any]:
+    payload = token.split(".")[1]
+    claims: dict[str, Any] = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    return claims
+
+
+@pytest.fixture(scope="module")
+def secured(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The chart installed with sharing and DRA, the API-only second Node and the pods and Leases the checks
+    write to; everything removed afterwards, each step whatever the others do."""
+    if shutil.which("iptables") is None:
+        pytest.skip("iptables not found: the Services need NAT rules (there is no kube-proxy)")
+    if SERVICE_CIDR not in "".join(
+        p.read_text() for p in (cluster.state / "cni" / "net.d").glob("*.conflist")
+    ):
+        pytest.skip(
+            "the running cluster predates the pods' route to Service IPs: restart it (make cluster-down)"
+        )
+    work = tmp_path_factory.mktemp("security")
+    cluster.ctr("images", "import", str(ARCHIVE))
+    scheduler_ref = kube_scheduler_image(cluster, work)
+    ca = trustme.CA()
+    cert = ca.issue_cert(f"{WEBHOOK}.{NAMESPACE}.svc", f"{WEBHOOK}.{NAMESPACE}.svc.cluster.local")
+    cert.private_key_pem.write_to_path(str(work / "tls.key"))
+    cert.cert_chain_pems[0].write_to_path(str(work / "tls.crt"))
+    (work / "values.json").write_text(
+        json.dumps(values(image_ref(ARCHIVE), scheduler_ref, ca.cert_pem.bytes()))
+    )
+    k = cluster.kubectl
+    with contextlib.ExitStack() as cleanup:  # unwound last to first
+        cleanup.callback(
+            k, "annotate", "node", NODE_NAME, f"{annotation_key(RES)}-", f"{lock_key(RES)}-",
+            "kxpu.io/devices.sec-test-", check=False,
+        )  # fmt: skip
+        cleanup.callback(k, "label", "node", NODE_NAME, "kxpu.io/sharing-", check=False)
+        cleanup.callback(k, "uncordon", NODE_NAME, check=False)  # were the cordon ever allowed
+        routes = ServiceRoutes()
+        cleanup.callback(routes.close)
+        routes.api_server_for_pods()
+        cleanup.callback(k, "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true",
+                         "--timeout=90s", timeout=120)  # fmt: skip
+        k("create", "namespace", NAMESPACE)
+        k("create", "secret", "tls", TLS_SECRET, "-n", NAMESPACE,
+          f"--cert={work / 'tls.crt'}", f"--key={work / 'tls.key'}")  # fmt: skip
+        cleanup.callback(helm, cluster, "uninstall", RELEASE, "--namespace", NAMESPACE, "--ignore-not-found",
+                         "--wait", "--timeout", "90s")  # fmt: skip
+        helm(
+            cluster, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(work / "values.json")
+        )
+        for name in ("sec-admin-own", "sec-admin-other-node", "sec-admin-other-driver"):
+            cleanup.callback(k, "delete", "resourceslice", name, "--ignore-not-found", check=False)
+        cleanup.callback(k, "delete", "node", OTHER_NODE, "--ignore-not-found", check=False)
+        # No kubelet will ever confirm the deletion of a pod on the API-only Node: force it.
+        cleanup.callback(k, "delete", "pod", "sec-other-node", "-n", NAMESPACE, "--ignore-not-found",
+                         "--grace-period=0", "--force", check=False)  # fmt: skip
+        k(
+            "create",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": OTHER_NODE}}),
+        )
+        for pod in (idle_pod("sec-own-node", NODE_NAME), idle_pod("sec-other-node", OTHER_NODE)):
+            k("create", "-f", "-", input=json.dumps(pod))
+        for node in (NODE_NAME, OTHER_NODE):
+            k("apply", "-f", "-", input=json.dumps(lock_lease(node)))
+        k("create", "-f", "-", input=json.dumps(slice_body("sec-admin-other-node", OTHER_NODE, DRIVER)))
+        k(
+            "create",
+            "-f",
+            "-",
+            input=json.dumps(slice_body("sec-admin-other-driver", NODE_NAME, OTHER_DRIVER)),
+        )
+        yield cluster
+
+
+def component_pod(cluster: Cluster, component: str, timeout: float = 150) -> dict[str, Any]:
+    try:
+        (pod,) = kube.wait_until(
+            f"one Ready {component} pod",
+            lambda: [
+                p
+                for p in daemon_pods(cluster, NAMESPACE, RELEASE, f"app.kubernetes.io/component={component}")
+                if ready(p)
+            ],
+            timeout,
+        )
+    except kube.WaitTimeout as exc:
+        raise AssertionError(f"{exc}\n{diagnostics(cluster, NAMESPACE, RELEASE)}") from None
+    return pod
+
+
+def node_token(cluster: Cluster, bound_to: str | None) -> str:
+    args = ["create", "token", SERVICE_ACCOUNT, "-n", NAMESPACE, "--duration=600s"]
+    if bound_to is not None:
+        args += ["--bound-object-kind=Pod", f"--bound-object-name={bound_to}"]
+    return cluster.kubectl(*args).strip()
+
+
+def test_the_daemon_works_under_the_policy_unprivileged(secured: Cluster) -> None:
+    """Everything the daemon writes goes through the policy with its own (projected, pod-bound) token: its Node's
+    inventory and its ResourceSlices appear; and the kernel shows its container holding no capability."""
+    cluster = secured
+    pod = component_pod(cluster, "plugin")
+    cluster.kubectl("get", "validatingadmissionpolicy", POLICY)  # installed, so it is what the writes pass
+    kube.wait_until(
+        "the daemon's inventory annotation on its Node",
+        lambda: (
+            annotation_key(RES) in cluster.kubectl_json("get", "node", NODE_NAME)["metadata"]["annotations"]
+        ),
+        60,
+    )
+
+    def published() -> list[dict[str, Any]]:
+        items = cluster.kubectl_json("get", "resourceslices", "--field-selector", f"spec.driver={DRIVER}")[
+            "items"
+        ]
+        return [
+            s
+            for s in items
+            if s["spec"].get("nodeName") == NODE_NAME and s["metadata"]["name"].startswith(NODE_NAME)
+        ]
+
+    kube.wait_until("the daemon's ResourceSlice", published, 60)
+
+    sc = pod["spec"]["containers"][0]["securityContext"]
+    assert sc["privileged"] is False and sc["capabilities"] == {"drop": ["ALL"]}, sc
+    container_id = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    tasks = {
+        line.split()[0]: line.split()[1]
+        for line in cluster.ctr("tasks", "ls").splitlines()[1:]
+        if line.strip()
+    }
+    status = dict(
+        line.split(":", 1)
+        for line in Path(f"/proc/{tasks[container_id]}/status").read_text().splitlines()
+        if ":" in line
+    )
+    assert int(status["CapEff"].strip(), 16) == 0 and int(status["CapPrm"].strip(), 16) == 0, status["CapEff"]
+    assert status["NoNewPrivs"].strip() == "1"
+    assert status["Seccomp"].strip() == "2"  # a filter: RuntimeDefault
+    assert (
+        status["Uid"].split()[0] == "0"
+    )  # root without capabilities: owns the kubelet's directories, no more
+
+
+def test_a_node_token_is_refused_beyond_its_node(secured: Cluster) -> None:
+    """Root on this node holds the daemon's pod-bound token: every write past the node is refused."""
+    cluster = secured
+    daemon = component_pod(cluster, "plugin")
+    scheduler = component_pod(cluster, "scheduler")
+    kube.wait_until(
+        "the leader-election Lease",
+        lambda: cluster.kubectl("get", "lease", LEADER_LEASE, "-n", NAMESPACE, check=False),
+        60,
+    )
+    token = node_token(cluster, daemon["metadata"]["name"])
+    assert token_claims(token)["kubernetes.io"]["node"]["name"] == NODE_NAME
+    node = Api(cluster, token)
+    by_policy = f"ValidatingAdmissionPolicy '{POLICY}'"
+
+    refused = {
+        # The extender's container, restarted with an attacker's image, would hold the signing key.
+        "image of the scheduler pod": node.send(
+            "PATCH",
+            pod_path(NAMESPACE, scheduler["metadata"]["name"]),
+            {"spec": {"containers": [{"name": "kube-scheduler", "image": "attacker.example/evil:1"}]}},
+            STRATEGIC,
+        ),
+        "a pod on another node": node.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-other-node"),
+            {"metadata": {"annotations": {"kxpu.io/allocated.sec.kxpu.io-snpu": "1"}}},
+            MERGE,
+        ),
+        "spec of a pod on its own node": node.send(
+            "PATCH", pod_path(NAMESPACE, "sec-own-node"), {"spec": {"activeDeadlineSeconds": 1}}, MERGE
+        ),
+        "an assignment on its own node's pod": node.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-own-node"),
+            {"metadata": {"annotations": {"kxpu.io/assignment": "forged"}}},
+            MERGE,
+        ),
+        "a label of its own node's pod": node.send(
+            "PATCH", pod_path(NAMESPACE, "sec-own-node"), {"metadata": {"labels": {"x": "y"}}}, MERGE
+        ),
+        "another Node": node.send(
+            "PATCH",
+            f"/api/v1/nodes/{OTHER_NODE}",
+            {"metadata": {"annotations": {"kxpu.io/devices.sec-test": "forged"}}},
+            MERGE,
+        ),
+        "cordon its own Node": node.send(
+            "PATCH", f"/api/v1/nodes/{NODE_NAME}", {"spec": {"unschedulable": True}}, MERGE
+        ),
+        "a foreign annotation on its own Node": node.send(
+            "PATCH",
+            f"/api/v1/nodes/{NODE_NAME}",
+            {"metadata": {"annotations": {"example.com/x": "y"}}},
+            MERGE,
+        ),
+        "the leader-election Lease": node.send(
+            "PATCH", lease_path(LEADER_LEASE), {"spec": {"holderIdentity": "attacker"}}, MERGE
+        ),
+        "another node's lock Lease": node.send(
+            "PATCH", lease_path(lease_name(OTHER_NODE, RES)), {"spec": {"holderIdentity": None}}, MERGE
+        ),
+        "another node's slice (create)": node.send(
+            "POST", SLICES, slice_body("sec-node-other-node", OTHER_NODE, DRIVER)
+        ),
+        "another node's slice (delete)": node.send("DELETE", f"{SLICES}/sec-admin-other-node"),
+        "another driver's slice on its node (create)": node.send(
+            "POST", SLICES, slice_body("sec-node-other-driver", NODE_NAME, OTHER_DRIVER)
+        ),
+        "another driver's slice on its node (delete)": node.send(
+            "DELETE", f"{SLICES}/sec-admin-other-driver"
+        ),
+    }
+    for what, (status, message) in refused.items():
+        assert status == 403, f"{what}: allowed ({status})"
+        assert by_policy in message, f"{what}: refused, but not by the policy: {message}"
+    # Past RBAC too (no verb for it at all): creating a Lease.
+    status, message = node.send(
+        "POST", f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases", lock_lease("x")
+    )
+    assert status == 403, message
+
+    # The objects are as they were.
+    assert (
+        cluster.kubectl_json("get", "pod", scheduler["metadata"]["name"], "-n", NAMESPACE)["spec"][
+            "containers"
+        ][0]["image"]
+        == scheduler["spec"]["containers"][0]["image"]
+    )
+    assert not cluster.kubectl_json("get", "node", NODE_NAME)["spec"].get("unschedulable")
+    cluster.kubectl("get", "resourceslice", "sec-admin-other-node", "sec-admin-other-driver")
+
+    # A token that names no node (unbound) gets nothing, not even what the daemon does on its own node.
+    unbound = Api(cluster, node_token(cluster, None))
+    status, message = unbound.send(
+        "PATCH",
+        f"/api/v1/nodes/{NODE_NAME}",
+        {"metadata": {"annotations": {"kxpu.io/devices.sec-test": "x"}}},
+        MERGE,
+    )
+    assert status == 403 and "names no node" in message, (status, message)
+
+
+def test_a_node_token_does_what_the_daemon_does(secured: Cluster) -> None:
+    """The same token is allowed exactly the daemon's writes on its own node."""
+    cluster = secured
+    daemon = component_pod(cluster, "plugin")
+    node = Api(cluster, node_token(cluster, daemon["metadata"]["name"]))
+    allowed = {
+        "mark its own pod allocated": node.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-own-node"),
+            {
+                "metadata": {
+                    "annotations": {
+                        "kxpu.io/allocated.sec.kxpu.io-snpu": "1",
+                        "kxpu.io/bind-phase": "allocated",
+                    }
+                }
+            },
+            MERGE,
+        ),
+        "its own Node's inventory and label": node.send(
+            "PATCH",
+            f"/api/v1/nodes/{NODE_NAME}",
+            {
+                "metadata": {
+                    "labels": {"kxpu.io/sharing": "true"},
+                    "annotations": {"kxpu.io/devices.sec-test": "x"},
+                }
+            },
+            MERGE,
+        ),
+        "release its own lock Lease": node.send(
+            "PATCH", lease_path(lease_name(NODE_NAME, RES)), {"spec": {"holderIdentity": None}}, MERGE
+        ),
+        "create its own slice": node.send("POST", SLICES, slice_body("sec-node-own", NODE_NAME, DRIVER)),
+    }
+    for what, (status, message) in allowed.items():
+        assert status in (200, 201), f"{what}: refused ({status}): {message}"
+    annotations = cluster.kubectl_json("get", "pod", "sec-own-node", "-n", NAMESPACE)["metadata"][
+        "annotations"
+    ]
+    assert annotations["kxpu.io/bind-phase"] == "allocated"
+    lease = cluster.kubectl_json("get", "lease", lease_name(NODE_NAME, RES), "-n", NAMESPACE)
+    assert not lease["spec"].get("holderIdentity")
+    # Update and delete of its own node's slices of its driver: one the daemon published, unchanged; then the one
+    # made above (404: the daemon, under the same policy, already removed it as not its own).
+    (own,) = [
+        s
+        for s in cluster.kubectl_json("get", "resourceslices", "--field-selector", f"spec.driver={DRIVER}")[
+            "items"
+        ]
+        if s["spec"].get("nodeName") == NODE_NAME and s["metadata"]["name"].startswith(NODE_NAME)
+    ][:1]
+    status, message = node.send("PUT", f"{SLICES}/{own['metadata']['name']}", own)
+    assert status in (200, 409), f"update of its own slice refused ({status}): {message}"
+    status, message = node.send("DELETE", f"{SLICES}/sec-node-own")
+    assert status in (200, 404), f"delete of its own slice refused ({status}): {message}"
+    kube.wait_until(
+        "the test's slice gone",
+        lambda: not cluster.kubectl("get", "resourceslice", "sec-node-own", "--ignore-not-found").strip(),
+        30,
+    )

@@ -1,0 +1,73 @@
+"""What the Neuron driver's sysfs counters tell about the devices a resource serves, for the daemon's telemetry.
+
+The driver's metrics tree (``neuron_sysfs_metrics.c``, aws-neuron-driver): per NeuronCore,
+``neuron_core<K>/stats/memory_usage/device_mem/{present,total,peak}`` (bytes of device memory the core's
+runtime holds now, ever, at most) and one directory per category under it with the same three files
+(``model_code``, ``tensors``, ``constants``, ``model_shared_scratchpad``, ``nonshared_scratchpad``,
+``runtime_memory``, ``driver_memory``, ``collectives``, ``notifications``, ``dma_rings``,
+``uncategorized``). A device reports the sum over its cores: memory in use (``present``) and in use by
+category; its size is the model's (as ``neuron-ls`` reports it); uncorrectable ECC counts come from
+``stats/hardware/{mem,sram}_ecc_uncorrected`` (the driver keeps no corrected count). Busy time and
+per-process figures are the runtime's (``neuron-monitor``), not the driver's: Neuron devices report no
+utilization and no processes here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kxpu.backends.host import Host, HostFileError
+from kxpu.backends.neuron.sysfs import MEMORY_GIB, NeuronDevice
+from kxpu.model import DeviceUsage, TelemetrySample
+
+GIB = 1024**3
+DEVICE_MEM = "stats/memory_usage/device_mem"
+
+
+def _cores(host: Host, device_dir: str) -> list[str]:
+    names = [n for n in host.listdir(device_dir) if n.startswith("neuron_core") and n[11:].isdigit()]
+    return sorted(names, key=lambda n: int(n[11:]))
+
+
+def sample_devices(
+    host: Host, devices: Sequence[tuple[str, NeuronDevice]], errors: list[str]
+) -> TelemetrySample:
+    out = []
+    for uuid, dev in devices:
+        used: int | None = None
+        categories: dict[str, int] = {}
+        try:
+            for core in _cores(host, dev.path):
+                base = f"{dev.path}/{core}/{DEVICE_MEM}"
+                present = host.read_int(f"{base}/present", 10)
+                if present is not None:
+                    used = (used or 0) + present
+                for name in host.listdir(base):
+                    if host.is_dir(f"{base}/{name}"):
+                        value = host.read_int(f"{base}/{name}/present", 10)
+                        if value is not None:
+                            categories[name] = categories.get(name, 0) + value
+            ecc = {
+                kind: count
+                for kind in ("mem", "sram")
+                if (count := host.read_int(f"{dev.path}/stats/hardware/{kind}_ecc_uncorrected", 10))
+                is not None
+            }
+        except HostFileError as exc:
+            errors.append(str(exc))
+            out.append(DeviceUsage(uuid=uuid, index=dev.index, model=dev.device_name, vendor="neuron"))
+            continue
+        size = MEMORY_GIB.get(dev.device_name or "")
+        out.append(
+            DeviceUsage(
+                uuid=uuid,
+                index=dev.index,
+                model=dev.device_name,
+                vendor="neuron",
+                memory_used_bytes=used,
+                memory_total_bytes=None if size is None else size * GIB,
+                memory_by_category=categories,
+                ecc_errors={"uncorrected": sum(ecc.values())} if ecc else {},
+            )
+        )
+    return TelemetrySample(tuple(out))

@@ -1,0 +1,76 @@
+"""``sample()`` of the ``neuron`` backend over the fake Neuron tree: the driver's per-core memory counters summed
+per device and by category, uncorrectable ECC, figures the driver does not keep left out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from kxpu.backends.neuron import NeuronBackend, NeuronConfig
+from kxpu.testing.fake_neuron import DEVICE_DIR, FakeNeuron
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+@pytest.fixture
+def machines() -> Iterator[Callable[[str], FakeNeuron]]:
+    made: list[FakeNeuron] = []
+
+    def make(profile: str) -> FakeNeuron:
+        made.append(FakeNeuron(profile))
+        return made[-1]
+
+    yield make
+    for fake in made:
+        fake.cleanup()
+
+
+def backend(fake: FakeNeuron, **config: Any) -> NeuronBackend:
+    return NeuronBackend(NeuronConfig.model_validate({"hostRoot": str(fake.root), **config}))
+
+
+@pytest.mark.parametrize("unit", ["device", "core"])
+def test_memory_by_category_summed_over_cores(machines: Callable[[str], FakeNeuron], unit: str) -> None:
+    fake = machines("trn1-32xl")
+    fake.set_memory(3, 0, {"tensors": 6 * GIB, "model_code": 300 * MIB})
+    fake.set_memory(3, 1, {"tensors": 2 * GIB, "runtime_memory": 64 * MIB})
+    fake.set_ecc(3, "mem", 2)
+    neuron = backend(fake, unit=unit)
+    devices = neuron.discover()
+    sample = neuron.sample()
+    assert len(sample.devices) == 16  # one per physical device, whichever unit is served
+    usage = next(u for u in sample.devices if u.index == 3)
+    assert usage.uuid == next(d.uuid for d in devices if d.extra["deviceId"] == 3)
+    assert usage.vendor == "neuron" and usage.model == "Trainium1"
+    assert usage.memory_used_bytes == 8 * GIB + 364 * MIB and usage.memory_total_bytes == 32 * GIB
+    assert usage.memory_by_category["tensors"] == 8 * GIB
+    assert usage.memory_by_category["model_code"] == 300 * MIB
+    assert usage.memory_by_category["runtime_memory"] == 64 * MIB
+    assert usage.ecc_errors == {"uncorrected": 2}
+    # The driver keeps no busy time, power or temperature: those are absent, not zero.
+    assert (
+        usage.compute_utilization is None and usage.power_watts is None and usage.temperature_celsius is None
+    )
+    assert not sample.processes
+
+
+def test_an_unreadable_counter_costs_that_device_and_one_log_line(
+    machines: Callable[[str], FakeNeuron],
+) -> None:
+    fake = machines("inf2-48xl")
+    fake.fake.set_attribute(
+        f"{DEVICE_DIR}/neuron2/neuron_core1/stats/memory_usage/device_mem/tensors/present", "oops"
+    )
+    neuron = backend(fake)
+    neuron.discover()
+    with capture_logs() as logs:
+        neuron.sample()
+        sample = neuron.sample()
+    usage = {u.index: u for u in sample.devices}
+    assert usage[2].memory_used_bytes is None and usage[3].memory_used_bytes == 0
+    warned = [e for e in logs if e["event"] == "telemetry: a Neuron device's counters cannot be read"]
+    assert len(warned) == 1 and "tensors/present" in warned[0]["error"]
