@@ -32,6 +32,7 @@ from kxpu.sharing.lock import (
     lease_name,
 )
 from kxpu.sharing.model import Assignment
+from kxpu.sharing.placement import NodeFacts
 from kxpu.sharing.state import ClusterState
 
 log = get_logger("kxpu.sharing.kube.informer")
@@ -149,7 +150,7 @@ class Informer:
         async for node in listing:
             name = name_of(node)
             seen.add(name)
-            self.state.set_node(name, annotations_of(node), version_of(node))
+            self._set_node(node)
         for gone in set(self.state.node_names) - seen:
             self.state.remove_node(gone)
         self._mark("nodes")
@@ -161,7 +162,19 @@ class Informer:
             if event == "DELETED":
                 self.state.remove_node(name)
             else:
-                self.state.set_node(name, annotations_of(node), version_of(node))
+                self._set_node(node)
+
+    def _set_node(self, node: Any) -> None:
+        name = name_of(node)
+        self.state.set_node(name, annotations_of(node), version_of(node))
+        spec = node.spec
+        taints = [
+            {"key": t.key or "", "value": t.value or "", "effect": t.effect or ""}
+            for t in ((spec.taints if spec is not None else None) or [])
+        ]
+        labels = dict((node.metadata.labels if node.metadata is not None else None) or {})
+        unschedulable = bool(spec is not None and spec.unschedulable)
+        self.state.set_node_facts(name, NodeFacts(labels, tuple(taints), unschedulable))
 
     async def _sync_pods(self) -> None:
         listing = self.client.list(Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"})
