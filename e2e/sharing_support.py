@@ -310,11 +310,12 @@ class Sharing:
     def _write_configs(self) -> None:
         names = self.signing_scheme.split("+")
         node_keys = [
-            {"secret": f"{NS}/keys"} if n == "hmac" else {"configMap": f"{NS}/{VERIFY_KEYS}"}
+            {"secret": f"{NS}/keys", "hmac": True} if n == "hmac" else {"configMap": f"{NS}/{VERIFY_KEYS}"}
             for n in (self.node_signing or self.signing_scheme).split("+")
         ]
         extender_keys = [
-            {"secret": f"{NS}/keys"} if n == "hmac" else {"secret": f"{NS}/signing"} for n in names
+            {"secret": f"{NS}/keys", "hmac": True} if n == "hmac" else {"secret": f"{NS}/signing"}
+            for n in names
         ]
         node_signing = {"signingKey": node_keys[0], "extraKeys": node_keys[1:], "lockNamespace": NS}
         custom = None

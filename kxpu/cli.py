@@ -491,6 +491,7 @@ def webhook(
             tls_key_file,
             metrics_address,
             config.protected_env,
+            config.node_users,
         )
     )
 

@@ -173,6 +173,8 @@ def validate(
     pod = request.get("object") or {}
     old = request.get("oldObject") or {}
     user = str((request.get("userInfo") or {}).get("username", ""))
+    if user in node_users:  # listed as trusted too (an older config): still only the node daemon's rights
+        trusted_users = [u for u in trusted_users if u != user]
     operation = request.get("operation")
     annotations: Mapping[str, str] = (pod.get("metadata") or {}).get("annotations") or {}
     old_annotations: Mapping[str, str] = (old.get("metadata") or {}).get("annotations") or {}

@@ -68,7 +68,36 @@ def live_assignment(pod: Any, keys: signing.Keys) -> Assignment | None:
     # would hold devices for nobody, and keep the pod itself from fitting again on a full node.
     if not bound or bound != assignment.node:
         return None
+    beyond = _beyond_request(pod, assignment)
+    if beyond:
+        log.warning("ignoring an assignment the pod does not ask for", pod=f"{meta.namespace}/{meta.name}",
+                    error=beyond)  # fmt: skip
+        return None
     return assignment
+
+
+def _beyond_request(pod: Any, assignment: Assignment) -> str | None:
+    """Why ``assignment`` grants more than the pod's own containers ask for (None: it does not).
+
+    A node only ever allocates what a container requests (the kubelet calls Allocate for the requested count),
+    so devices granted beyond it are used by nobody: counting them would pin them as used. That is what a
+    signature minted with a key nodes no longer accept (an HMAC key a node read before the switch to
+    Ed25519), written on any pod, would otherwise do. The extender's own grants always match the request.
+    """
+    asked: dict[tuple[str, str], int] = {}
+    for container in (pod.spec.containers if pod.spec is not None else None) or []:
+        resources = container.resources
+        for source in (resources.requests, resources.limits) if resources is not None else ():
+            for resource, quantity in (source or {}).items():
+                try:
+                    asked[(container.name, resource)] = int(str(quantity))
+                except ValueError:
+                    continue
+    for c in assignment.containers:
+        count = asked.get((c.container, c.resource), 0)
+        if len(c.devices) > count:
+            return f"container {c.container!r} is granted {len(c.devices)} {c.resource} but asks for {count}"
+    return None
 
 
 def annotations_node(annotations: Any) -> str:
