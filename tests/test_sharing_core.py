@@ -793,7 +793,7 @@ def test_the_informer_counts_only_live_verified_assignments() -> None:
 
     from kxpu.sharing.kube.informer import live_assignment
 
-    def make(phase: str = "Running", node: str | None = "node-a", keys: list[bytes] | None = None) -> Pod:
+    def make(phase: str = "Running", node: str | None = "node-a", keys: list[bytes] | None = None) -> Any:
         a = dataclasses.replace(ASSIGNMENT, pod_uid="uid-1", namespace="ns", name="p")
         return _assigned_pod(a, keys or [KEY], phase, node)
 
