@@ -439,20 +439,19 @@ class Sharing:
                 ],
                 "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NS}},
             }
-            names = [m["name"] for m in self.managed]
-            shared = {"name": "shared", "expression": shared_condition(names, kind == "Validating")}
-            hook["matchConditions"] = [
-                shared
-            ]  # as the chart: only pods asking for shared devices (or kxpu's)
+            # as the chart: only pods asking for shared devices (or carrying kxpu's metadata) are sent
+            names = [str(m["name"]) for m in self.managed]
+            conditions = [{"name": "shared", "expression": shared_condition(names, kind == "Validating")}]
             if kind == "Validating":  # as the chart: kxpu's own updates skip the call
                 users = ",".join(f"'{u}'" for u in TRUSTED_USERS)
-                hook["matchConditions"] += [
+                conditions += [
                     {
                         "name": "not-a-kxpu-update",
                         "expression": f"request.operation != 'UPDATE' || !(request.userInfo.username in [{users}])",
                     },
                     {"name": "status-changes-metadata", "expression": STATUS_CHANGES_METADATA},
                 ]
+            hook["matchConditions"] = conditions
             docs.append(
                 {
                     "apiVersion": "admissionregistration.k8s.io/v1",
