@@ -172,7 +172,7 @@ class Flood:
             self.oversized,
             self.oversized,
             self.parse_work,
-            lambda: self.hold(150, trickle=True),
+            lambda: self.hold(100, trickle=True),
             lambda: self.hold(300, trickle=False),
         ]
         for attack in attacks:
