@@ -50,7 +50,9 @@ METRIC_NAMES = frozenset(
 
 def reason_of(message: str) -> str:
     """A denial message's category: reserved-annotations, privileged, node-name or invalid-request."""
-    if "kxpu's own annotations" in message or message.startswith("only the kxpu scheduler"):
+    if "kxpu's own annotations" in message or message.startswith(
+        ("only the kxpu scheduler", "the kxpu node daemon")
+    ):
         return "reserved-annotations"
     if "is privileged" in message:
         return "privileged"
