@@ -16,7 +16,7 @@ import pytest
 import trustme
 from aiohttp import web
 
-from kxpu.sharing import bounds, webhook
+from kxpu.sharing import bounds, webhook, webhook_metrics
 from kxpu.sharing.requests import ResourceFamily
 from kxpu.testing.sharing import pod
 
@@ -349,6 +349,7 @@ def test_the_node_daemon_may_only_mark_its_own_bound_pods_allocated() -> None:
         assert why is not None and why.startswith("the kxpu node daemon may only set kxpu.io/allocated.*"), (
             why
         )
+        assert webhook_metrics.reason_of(why) == "reserved-annotations"
     dropped = check(node_request(changed(labels={}), old))
     assert dropped == "only the kxpu scheduler may set or remove the kxpu.io/assigned label"
     assert check(request(allocated, "UPDATE", old, user=TRUSTED[0])) is None  # the extender: all of them
