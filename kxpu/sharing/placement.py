@@ -40,6 +40,11 @@ def _bad_name(kind: str, value: str, subdomain: bool) -> str | None:
     return None
 
 
+def check_pod_names(namespace: str, name: str) -> str | None:
+    """Why a pod's namespace and name are not ones the API server could hold (None: they are valid)."""
+    return _bad_name("namespace", namespace, subdomain=False) or _bad_name("pod name", name, subdomain=True)
+
+
 def check_names(namespace: str, name: str, node: str) -> str | None:
     """Why a bind's names are not names the API server could hold (None: they are valid)."""
     return (
