@@ -400,13 +400,14 @@ async def guarded(
     cert.private_key_pem.write_to_path(str(tmp_path / "g.key"))
     cert.cert_chain_pems[0].write_to_path(str(tmp_path / "g.crt"))
     tls = webhook.ReloadingTLS(tmp_path / "g.crt", tmp_path / "g.key")
-    conn = {k: limits.pop(k) for k in ("max_connections", "request_timeout_s") if k in limits}
+    conn = {k: limits.pop(k) for k in ("max_connections", "max_per_peer", "request_timeout_s") if k in limits}
     app = webhook.make_app(FAMILIES, "kxpu-scheduler", TRUSTED, request_timeout_s=conn.get("request_timeout_s", 10.0),
                            **limits)  # fmt: skip
     runner = web.AppRunner(app)
     await runner.setup()
     site = bounds.GuardedSite(runner, "127.0.0.1", 0, ssl_context=tls.context,
                                       max_connections=conn.get("max_connections", 256),
+                                      max_per_peer=conn.get("max_per_peer"),
                                       request_timeout_s=conn.get("request_timeout_s", 10.0))  # fmt: skip
     app[webhook.GUARD].append(site.guard)
     await site.start()
@@ -474,6 +475,35 @@ async def test_slow_clients_are_cut_off_and_connections_are_capped(tmp_path: Pat
         while not await served():
             assert time.monotonic() < deadline, "no connection served after the held ones closed"
             await asyncio.sleep(0.1)
+    finally:
+        await runner.cleanup()
+
+
+async def test_one_client_address_gets_only_its_share_of_connections(tmp_path: Path) -> None:
+    """A pod holding connections cannot take them all: past max_per_peer from its address, it is refused."""
+    import asyncio
+
+    runner, site, _, client_ssl = await guarded(tmp_path, max_connections=8, max_per_peer=3)
+    try:
+
+        async def tls_open() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_connection(
+                "127.0.0.1", site.port, ssl=client_ssl, server_hostname="127.0.0.1"
+            )
+
+        held = [await tls_open() for _ in range(3)]
+        for r, w in held:
+            w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await asyncio.wait_for(r.readuntil(b"ok"), 10)).startswith(b"HTTP/1.1 200")
+        try:
+            r4, w4 = await tls_open()
+            w4.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await asyncio.wait_for(r4.read(), 10) == b""
+        except (ConnectionError, ssl.SSLError):
+            pass
+        assert site.guard.refused == 1 and site.guard.per_peer == {"127.0.0.1": 3}
+        for _, w in held:
+            w.close()
     finally:
         await runner.cleanup()
 

@@ -15,9 +15,11 @@ to exhaust its memory, stall its event loop or hold every connection, so each se
   ``request_timeout_s`` of opening (or of its previous answer), and the body within the same time
   once the handler reads it (``read_json``), or it is closed: a slow client (slowloris) holds a
   connection for seconds, not for ever;
-- **a connection cap** (``GuardedSite``): past ``max_connections`` open connections, new ones are
-  closed at once, so a flood of idle connections costs a bounded number of file descriptors and
-  buffers (the TLS handshake itself is bounded by the same deadline).
+- **a connection cap** (``GuardedSite``): past ``max_connections`` open connections, or
+  ``max_per_peer`` from one client address, new ones are closed at once, so a flood of idle
+  connections costs a bounded number of file descriptors and buffers (each TLS connection holds
+  asyncio's 256 KiB buffer), and one pod cannot take every connection from the API server (the TLS
+  handshake itself is bounded by the same deadline).
 
 Every refusal is one line naming what was wrong and the limit.
 """
@@ -153,13 +155,15 @@ async def read_body(
 class _Tracked:
     """One connection: the protocol aiohttp serves it with, plus the guard's deadline and accounting."""
 
-    __slots__ = ("busy", "deadline", "done", "guard", "inner", "refused", "transport")
+    __slots__ = ("busy", "deadline", "done", "forwarded", "guard", "inner", "peer", "refused", "transport")
 
     def __init__(self, guard: ConnectionGuard, refused: bool) -> None:
         self.guard = guard
         self.inner: Any = None if refused else guard.factory()
         self.refused = refused
         self.transport: asyncio.BaseTransport | None = None
+        self.peer: str | None = None
+        self.forwarded = False  # aiohttp's handler saw connection_made (so it must see connection_lost)
         self.deadline = time.monotonic() + guard.request_timeout_s
         self.busy = 0
         self.done = False
@@ -179,43 +183,62 @@ class _Protocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tracked = self.tracked
         tracked.transport = transport
+        guard = tracked.guard
+        if not (tracked.refused or tracked.done):
+            peername = transport.get_extra_info("peername")
+            peer = str(peername[0]) if isinstance(peername, tuple) and peername else "?"
+            if guard.per_peer.get(peer, 0) >= guard.max_per_peer:
+                guard.refused += 1
+                guard.forget(tracked)
+            else:
+                tracked.peer = peer
+                guard.per_peer[peer] = guard.per_peer.get(peer, 0) + 1
         if tracked.refused or tracked.done:
             transport.abort()  # type: ignore[attr-defined]
             return
-        tracked.guard.by_transport[transport] = tracked
+        guard.by_transport[transport] = tracked
+        tracked.forwarded = True
         tracked.inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         tracked = self.tracked
         tracked.guard.forget(tracked)
-        if tracked.inner is not None and tracked.transport is not None:
+        if tracked.forwarded:
             tracked.inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.tracked.inner is not None and not self.tracked.done:
+        if self.tracked.forwarded and not self.tracked.done:
             self.tracked.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        if self.tracked.inner is not None:
+        if self.tracked.forwarded:
             result: bool | None = self.tracked.inner.eof_received()
             return result
         return None
 
     def pause_writing(self) -> None:
-        if self.tracked.inner is not None:
+        if self.tracked.forwarded:
             self.tracked.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self.tracked.inner is not None:
+        if self.tracked.forwarded:
             self.tracked.inner.resume_writing()
 
 
 class ConnectionGuard:
     """The connection cap and request deadline of one listener (see the module docstring)."""
 
-    def __init__(self, factory: Callable[[], Any], max_connections: int, request_timeout_s: float) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        max_connections: int,
+        request_timeout_s: float,
+        max_per_peer: int | None = None,
+    ) -> None:
         self.factory = factory
         self.max_connections = max_connections
+        self.max_per_peer = max_per_peer or max_connections
+        self.per_peer: dict[str, int] = {}
         self.request_timeout_s = request_timeout_s
         self.connections: set[_Tracked] = set()
         self.by_transport: dict[asyncio.BaseTransport, _Tracked] = {}
@@ -233,6 +256,13 @@ class ConnectionGuard:
     def forget(self, tracked: _Tracked) -> None:
         tracked.done = True
         self.connections.discard(tracked)
+        if tracked.peer is not None:
+            left = self.per_peer.get(tracked.peer, 1) - 1
+            if left > 0:
+                self.per_peer[tracked.peer] = left
+            else:
+                self.per_peer.pop(tracked.peer, None)
+            tracked.peer = None
         if tracked.transport is not None:
             self.by_transport.pop(tracked.transport, None)
 
@@ -301,13 +331,14 @@ class GuardedSite(BaseSite):
         *,
         max_connections: int,
         request_timeout_s: float,
+        max_per_peer: int | None = None,
         ssl_context: Any = None,
         backlog: int = 128,
     ) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
         self._host, self._port = host, port
         assert runner.server is not None, "set the runner up first"
-        self.guard = ConnectionGuard(runner.server, max_connections, request_timeout_s)
+        self.guard = ConnectionGuard(runner.server, max_connections, request_timeout_s, max_per_peer)
 
     @property
     def name(self) -> str:

@@ -257,7 +257,10 @@ MAX_BODY_BYTES = 3 * 1024 * 1024 + 256 * 1024
 # pod and its old copy, so 3 MiB of pods plus the review's envelope. Anything larger is no review from it.
 BODY_BUDGET_BYTES = 16 * 1024 * 1024  # large bodies in flight at once: well under the chart's 256 Mi limit
 REQUEST_TIMEOUT_S = 10.0  # headers, then body, each within this; the API server gives up after 5 s (chart)
-MAX_CONNECTIONS = 256
+# Each TLS connection holds asyncio's 256 KiB buffer: 128 are 32 MiB. One client address (a pod) gets a quarter,
+# so it cannot take every connection from the API server.
+MAX_CONNECTIONS = 128
+MAX_PER_PEER = 32
 
 
 def make_app(
@@ -446,6 +449,7 @@ async def serve(
         port,
         ssl_context=tls.context,
         max_connections=MAX_CONNECTIONS,
+        max_per_peer=MAX_PER_PEER,
         request_timeout_s=REQUEST_TIMEOUT_S,
     )
     app[GUARD].append(site.guard)
