@@ -257,10 +257,10 @@ MAX_BODY_BYTES = 3 * 1024 * 1024 + 256 * 1024
 # pod and its old copy, so 3 MiB of pods plus the review's envelope. Anything larger is no review from it.
 BODY_BUDGET_BYTES = 16 * 1024 * 1024  # large bodies in flight at once: well under the chart's 256 Mi limit
 REQUEST_TIMEOUT_S = 10.0  # headers, then body, each within this; the API server gives up after 5 s (chart)
-# Each TLS connection holds asyncio's 256 KiB buffer: 128 are 32 MiB. One client address (a pod) gets a quarter,
+# Each TLS connection holds asyncio's 256 KiB buffer: 128 are 32 MiB. One client address (a pod) gets half,
 # so it cannot take every connection from the API server.
 MAX_CONNECTIONS = 128
-MAX_PER_PEER = 32
+MAX_PER_PEER = 64
 
 
 def make_app(
