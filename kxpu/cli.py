@@ -411,7 +411,14 @@ control_plane_config_option = click.option(
 
 @main.command()
 @control_plane_config_option
-@click.option("--address", envvar="KXPU_SCHEDULER_ADDRESS", default=":8888", show_default=True)
+@click.option(
+    "--address",
+    envvar="KXPU_SCHEDULER_ADDRESS",
+    default="127.0.0.1:8888",
+    show_default=True,
+    help="[HOST]:PORT of the extender API. It binds pods and is unauthenticated: keep it on loopback, beside "
+    "kube-scheduler.",
+)
 @click.option(
     "--metrics-address",
     envvar="KXPU_SCHEDULER_METRICS_ADDRESS",
@@ -484,6 +491,7 @@ def webhook(
             tls_key_file,
             metrics_address,
             config.protected_env,
+            config.node_users,
         )
     )
 
