@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -165,6 +166,7 @@ def plugin(
             http_address or None,
             dra=lambda *args: _dra(daemon, *args),
             on_grant_exceeded=events,
+            leftovers=_leftovers(config, node),
         )
         code = await daemon.run()
         if daemon.abandoned or daemon.stuck_calls:
@@ -203,6 +205,55 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         config.pod_resources_socket,
         close=kube.close,
     )
+
+
+def _leftovers(config: Config, node: str) -> Any:
+    """The DRA drivers with claims still prepared that this config no longer serves through DRA
+    (``kxpu.dra.leftover``); None when there are none (nothing DRA is imported then)."""
+    from kxpu.dra.leftover import find_leftovers
+
+    served = {r.dra_driver for r in config.resources if r.serve == "dra"}
+    drivers = find_leftovers(config.kubelet_plugins_dir, served)
+    if not drivers:
+        return None
+    from kxpu.daemon.snapshot import DeviceSnapshot
+    from kxpu.dra.config import DraConfig
+    from kxpu.dra.kube import DraKube
+    from kxpu.dra.leftover import Leftovers, NoDevices
+    from kxpu.dra.plugin import DraPlugin
+
+    by_driver: dict[str, ResourceConfig] = {}
+    for resource in config.resources:
+        with contextlib.suppress(ValueError):  # a device-plugin resource whose name gives no driver name
+            by_driver.setdefault(resource.dra_driver, resource)
+
+    def make(driver: str, resource: str | None) -> DraPlugin:
+        own = by_driver.get(driver)
+        settings = own.dra if own is not None else DraConfig()
+        kube = DraKube(driver)
+        return DraPlugin(
+            resource or driver,
+            driver,
+            settings.node_name or node,
+            NoDevices(),
+            DeviceSnapshot(),
+            config.kubelet_plugins_dir,
+            config.plugins_registry_dir,
+            kube,
+            kube,
+            settings,
+            close=kube.close,
+        )
+
+    usable = {d: by_driver[d].name if d in by_driver else None for d in drivers}
+    if not node:
+        unnamed = [d for d in usable if d not in by_driver or not by_driver[d].dra.node_name]
+        if unnamed:
+            _fail(
+                f"DRA claims are still prepared for driver(s) {', '.join(unnamed)}, which this config no longer serves "
+                "through DRA; unpreparing them needs the node name ($NODE_NAME)"
+            )
+    return Leftovers(usable, make)
 
 
 def _grant_events() -> Any:
