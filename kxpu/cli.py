@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -209,30 +208,20 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
 
 def _leftovers(config: Config, node: str) -> Any:
     """The DRA drivers with claims still prepared that this config no longer serves through DRA
-    (``kxpu.dra.leftover``); None when there are none (nothing DRA is imported then)."""
-    from kxpu.dra.leftover import find_leftovers
+    (``kxpu.dra.leftover``), each served for unprepare only; None when there are none."""
+    from kxpu.dra.leftover import leftovers_for
 
-    served = {r.dra_driver for r in config.resources if r.serve == "dra"}
-    drivers = find_leftovers(config.kubelet_plugins_dir, served)
-    if not drivers:
-        return None
-    from kxpu.daemon.snapshot import DeviceSnapshot
-    from kxpu.dra.config import DraConfig
-    from kxpu.dra.kube import DraKube
-    from kxpu.dra.leftover import Leftovers, NoDevices
-    from kxpu.dra.plugin import DraPlugin
+    def make(driver: str, resource: ResourceConfig | None) -> Any:
+        from kxpu.daemon.snapshot import DeviceSnapshot
+        from kxpu.dra.config import DraConfig
+        from kxpu.dra.kube import DraKube
+        from kxpu.dra.leftover import NoDevices
+        from kxpu.dra.plugin import DraPlugin
 
-    by_driver: dict[str, ResourceConfig] = {}
-    for resource in config.resources:
-        with contextlib.suppress(ValueError):  # a device-plugin resource whose name gives no driver name
-            by_driver.setdefault(resource.dra_driver, resource)
-
-    def make(driver: str, resource: str | None) -> DraPlugin:
-        own = by_driver.get(driver)
-        settings = own.dra if own is not None else DraConfig()
+        settings = resource.dra if resource is not None else DraConfig()
         kube = DraKube(driver)
         return DraPlugin(
-            resource or driver,
+            resource.name if resource is not None else driver,
             driver,
             settings.node_name or node,
             NoDevices(),
@@ -245,15 +234,10 @@ def _leftovers(config: Config, node: str) -> Any:
             close=kube.close,
         )
 
-    usable = {d: by_driver[d].name if d in by_driver else None for d in drivers}
-    if not node:
-        unnamed = [d for d in usable if d not in by_driver or not by_driver[d].dra.node_name]
-        if unnamed:
-            _fail(
-                f"DRA claims are still prepared for driver(s) {', '.join(unnamed)}, which this config no longer serves "
-                "through DRA; unpreparing them needs the node name ($NODE_NAME)"
-            )
-    return Leftovers(usable, make)
+    try:
+        return leftovers_for(config, node, make)
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def _grant_events() -> Any:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from kxpu.config import Config, ResourceConfig
 from kxpu.dra.checkpoint import VERSION, held_devices
 from kxpu.logs import error_text, get_logger
 from kxpu.model import Backend, BackendError, ContainerEdits, Device
@@ -61,6 +62,31 @@ def find_leftovers(plugins_dir: Path, served: set[str]) -> list[str]:
         ):
             out.append(driver)
     return out
+
+
+def leftovers_for(
+    config: Config, node: str, make: Callable[[str, ResourceConfig | None], DrainingPlugin]
+) -> Leftovers | None:
+    """The draining drivers of ``config`` (``make`` builds each one's plugin from the resource now configured
+    with its driver name, if any); None when there are none. Raises ValueError when one has no node name."""
+    served = {r.dra_driver for r in config.resources if r.serve == "dra"}
+    drivers = find_leftovers(config.kubelet_plugins_dir, served)
+    if not drivers:
+        return None
+    by_driver: dict[str, ResourceConfig] = {}
+    for resource in config.resources:
+        with contextlib.suppress(ValueError):  # a device-plugin resource whose name gives no driver name
+            by_driver.setdefault(resource.dra_driver, resource)
+    unnamed = [d for d in drivers if not node and not (d in by_driver and by_driver[d].dra.node_name)]
+    if unnamed:
+        raise ValueError(
+            f"DRA claims are still prepared for driver(s) {', '.join(unnamed)}, which this config no longer serves "
+            "through DRA; unpreparing them needs the node name ($NODE_NAME)"
+        )
+    return Leftovers(
+        {d: by_driver[d].name if d in by_driver else None for d in drivers},
+        lambda driver, _resource: make(driver, by_driver.get(driver)),
+    )
 
 
 class NoDevices(Backend):

@@ -222,6 +222,10 @@ class Preparer:
             raise ClaimError(f"ResourceClaim {ref.ref} does not exist (deleted while the pod was starting?)")
         allocation = allocation_for(claim, ref.uid, self.driver, self.pool)
         chosen = self._lookup(allocation)
+        if known is not None:
+            # Prepared before, but its CDI spec is gone (a tmpfs cleared, removed by hand): prepared again from
+            # the start, so the partitions it had are destroyed first; the new ones would overlap them.
+            await self._release([dict(d.partition) for d in known.devices if d.partition])
         chosen, handles = await self._realize(allocation, chosen)
         # From here on, whatever stops this prepare (a refusal, the backend, the kubelet's deadline cancelling
         # the call) releases the partitions just made and removes what was written: nothing is left behind.
