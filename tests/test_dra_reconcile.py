@@ -363,3 +363,69 @@ def test_any_interleaving_with_crashes_ends_with_hardware_equal_to_the_live_prep
         asyncio.run(_run(root, operations))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_partitions_of_a_claim_unprepared_while_no_backend_can_destroy_them_are_destroyed_later(
+    tmp_path: Path,
+) -> None:
+    """The resource left the config with a partitioned claim prepared: the draining driver unprepares it (the pod
+    must not hang) and keeps its partition's handle; once the resource is served through DRA again, the partition
+    is destroyed. A write-ahead record is kept likewise."""
+    from kxpu.dra.leftover import NoDevices
+
+    api = FakeDraApi()
+    p = preparer(tmp_path, api)
+    claim = api.add_claim("c", [result("sg-0-3g-0")])
+    assert (await p.prepare([claim]))[claim.uid].error is None
+    p.checkpoint.making["killed"] = Making("default/k", ("sg-0-1g-6",))
+    p.checkpoint.save()
+    SimulatedBackend(simulated(tmp_path)).realize([index_by_id(p.backend.discover())["sg-0-1g-6"]])  # killed
+    assert hardware(tmp_path) == {"sg-0-3g-0", "sg-0-1g-6"}
+
+    draining = Checkpoint(tmp_path / "checkpoint.json", DRIVER)
+    draining.load()
+    d = Preparer(DRIVER, NODE, NoDevices(), {}, draining, tmp_path / "cdi", api)
+    d.draining = True
+    await start(d)
+    assert (await d.unprepare([claim]))[claim.uid] is None
+    assert not d.spec_path(claim.uid).exists() and draining.claims == {}
+    assert draining.unreleased == [{"id": "sg-0-3g-0"}] and set(draining.making) == {"killed"}
+
+    back = preparer(tmp_path, api)
+    assert sorted(await back.reconcile()) == ["sg-0-1g-6", "sg-0-3g-0"]
+    assert hardware(tmp_path) == set()
+    assert back.checkpoint.unreleased == [] and back.checkpoint.making == {}
+
+
+async def test_a_reclaim_that_fails_at_start_is_retried_when_a_prepare_overlaps(tmp_path: Path) -> None:
+    api = FakeDraApi()
+    p = preparer(tmp_path, api)
+    SimulatedBackend(simulated(tmp_path)).realize([index_by_id(p.backend.discover())["sg-0-3g-0"]])
+    p.checkpoint.making["killed"] = Making("default/k", ("sg-0-3g-0",))
+    p.checkpoint.save()
+
+    class Flaky(SimulatedBackend):
+        failures = 1
+
+        def reclaim(self, devices: Sequence[Device]) -> list[str]:
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("the driver is busy")
+            return super().reclaim(devices)
+
+    q = preparer(tmp_path, api, Flaky(simulated(tmp_path)))
+    assert await q.reconcile() == []
+    assert set(q.checkpoint.making) == {"killed"}  # kept: retried later
+    claim = api.add_claim("c", [result("sg-0")])
+    assert (await q.prepare([claim]))[claim.uid].error is None
+    assert hardware(tmp_path) == {"sg-0"} and q.checkpoint.making == {}
+
+
+async def test_a_prepare_whose_partition_record_cannot_be_written_makes_nothing(tmp_path: Path) -> None:
+    api = FakeDraApi()
+    p = preparer(tmp_path, api)
+    (tmp_path / "checkpoint.json").mkdir()  # the checkpoint cannot be replaced
+    claim = api.add_claim("c", [result("sg-0-3g-0")])
+    error = (await p.prepare([claim]))[claim.uid].error or ""
+    assert "cannot write the DRA checkpoint" in error and "\n" not in error
+    assert hardware(tmp_path) == set() and p.checkpoint.making == {}

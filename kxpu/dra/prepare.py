@@ -434,6 +434,8 @@ class Preparer:
         for uid, making in list(self.checkpoint.making.items()):
             if uid in self._realizing:
                 continue  # a worker thread is making them now (a cancelled prepare): released when made
+            if uid not in self.checkpoint.claims and not isinstance(self.backend, Partitioner):
+                continue  # a draining driver: kept for the backend that can destroy them, once it is back
             if uid not in self.checkpoint.claims:
                 held = held_devices(self.checkpoint.claims)
                 devices = [by_id[i] for i in making.devices if i in by_id and i not in held]
