@@ -158,14 +158,15 @@ def plugin(
     events = _grant_events() if config.telemetry.enabled and config.telemetry.events else None
 
     async def serve() -> int:
+        leftovers = _leftovers(config, node)
         daemon = Daemon(
             config,
             reload,
             _build,
             http_address or None,
-            dra=lambda *args: _dra(daemon, *args),
+            dra=lambda resource, backend, snapshot: _dra(daemon, resource, backend, snapshot, leftovers),
             on_grant_exceeded=events,
-            leftovers=_leftovers(config, node),
+            leftovers=leftovers,
         )
         code = await daemon.run()
         if daemon.abandoned or daemon.stuck_calls:
@@ -178,7 +179,9 @@ def plugin(
     sys.exit(asyncio.run(serve()))
 
 
-def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any) -> Any:
+def _dra(
+    daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any, leftovers: Any = None
+) -> Any:
     """The DRA half of a resource: its API client and the kubelet directories of the running config."""
     from kxpu.dra.kube import DraKube
     from kxpu.dra.plugin import DraPlugin
@@ -190,7 +193,7 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         )
     kube = DraKube(resource.dra_driver)
     config = daemon.config
-    return DraPlugin(
+    plugin = DraPlugin(
         resource.name,
         resource.dra_driver,
         node,
@@ -204,6 +207,9 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         config.pod_resources_socket,
         close=kube.close,
     )
+    if leftovers is not None:  # never prepare what a drained (renamed or removed) driver's claims still hold
+        plugin.preparer.elsewhere = lambda: leftovers.withheld_from(resource.name)
+    return plugin
 
 
 def _leftovers(config: Config, node: str) -> Any:

@@ -185,3 +185,37 @@ def test_only_kxpu_checkpoints_of_their_own_driver_count(tmp_path: Path) -> None
     assert find_leftovers(tmp_path, {"a.example.com"}) == []
     # Another vendor's file is neither used nor moved aside.
     assert (tmp_path / "gpu.nvidia.com" / "checkpoint.json").exists()
+
+
+async def test_a_renamed_driver_never_prepares_what_the_old_ones_claims_hold(rig: Rig) -> None:  # noqa: F811
+    await rig.start()
+    await rig.kubelet.wait_registered(DRIVER)
+    old = await prepared(rig, "old", "sim-0")
+    renamed = rig.config(dra={"nodeName": NODE, "cdiSpecDir": str(rig.cdi), "driverName": "npu2.example.com"})
+    drained = leftovers(rig, renamed)
+    assert drained is not None
+    original = rig.factory
+
+    def wired(resource: ResourceConfig, backend: Any, snapshot: DeviceSnapshot) -> DraPlugin:
+        plugin = original(resource, backend, snapshot)
+        plugin.preparer.elsewhere = lambda: drained.withheld_from(resource.name)
+        return plugin
+
+    rig.factory = wired  # type: ignore[method-assign]
+    await rig.stop()
+    rig.daemon = Daemon(renamed, lambda: renamed, _build, dra=rig.factory, leftovers=drained)
+    rig.task = asyncio.create_task(rig.daemon.run())
+    await rig.kubelet.wait_registered("npu2.example.com")
+
+    def new_claim(name: str, device: str) -> Any:
+        return rig.api.add_claim(
+            name, [{"request": "npu", "driver": "npu2.example.com", "pool": NODE, "device": device}]
+        )
+
+    taken, free = new_claim("taken", "sim-0"), new_claim("free", "sim-1")
+    answer = await rig.kubelet.prepare("npu2.example.com", taken, free)
+    assert f"held by DRA claim default/old of driver {DRIVER}" in answer.claims[taken.uid].error
+    assert answer.claims[free.uid].error == ""
+    await rig.kubelet.wait_registered(DRIVER, times=2)
+    assert (await rig.kubelet.unprepare(DRIVER, old)).claims[old.uid].error == ""
+    assert (await rig.kubelet.prepare("npu2.example.com", taken)).claims[taken.uid].error == ""

@@ -153,6 +153,16 @@ class Leftovers:
             for device, claim in held_devices(draining.plugin.preparer.checkpoint.claims).items()
         }
 
+    def withheld_from(self, resource: str) -> dict[str, str]:
+        """What a DRA driver serving ``resource`` must not prepare: the devices held by draining drivers of that
+        resource or of none now configured (a driver renamed or removed; matched by device ID, which errs on the
+        safe side)."""
+        out: dict[str, str] = {}
+        for d in list(self._drivers.values()):
+            if d.resource in (None, resource):
+                out.update(self.withheld(d.driver))
+        return out
+
     async def wait_newer_than(self, version: int) -> None:
         async with self._changed:
             await self._changed.wait_for(lambda: self.version > version)

@@ -37,7 +37,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -127,6 +127,9 @@ class Preparer:
         self.claims = claims
         self.cdi_kind = claim_cdi_kind(driver)
         self.held: frozenset[str] = frozenset()  # IDs pods still hold through the device plugin
+        # Devices claims of another driver of this node still hold (a driver renamed across a restart, its claims
+        # drained: kxpu.dra.leftover) → why: never prepared for this one until they are released.
+        self.elsewhere: Callable[[], Mapping[str, str]] = dict
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Future[Any]] = set()  # releases of partitions a cancelled prepare made
         self._realizing: set[str] = set()  # claim UIDs whose partitions a worker thread is making right now
@@ -322,6 +325,13 @@ class Preparer:
                 raise ClaimError(
                     f"ResourceClaim {allocation.ref}: device {allocated.device} ({device.id}) is still used by a pod that "
                     "got it through the device plugin; it is offered once that pod is gone"
+                )
+            elsewhere = self.elsewhere()
+            held_by = elsewhere.get(device.id) or (elsewhere.get(device.uuid) if device.uuid else None)
+            if held_by and not allocated.admin_access:
+                raise ClaimError(
+                    f"ResourceClaim {allocation.ref}: device {allocated.device} ({device.id}) is {held_by}; it is "
+                    "prepared once that claim is released"
                 )
             if not allocated.admin_access:
                 self._check_not_taken(allocation, allocated, device)
