@@ -9,13 +9,14 @@ work from what is on disk. One JSON file per driver, replaced atomically after e
                                 "devices": [{"requests": ["npu"], "pool": "node-1", "device": "sim-0",
                                              "id": "sim-0", "cdiDeviceIDs": ["npu.example.com/claim=…"]}]}},
      "making": {"<claim UID>": {"claim": "ns/c", "devices": ["sim-0-1g-3"]}},
-     "unreleased": [{…a partition's handle…}]}
+     "unreleased": [{…a partition's handle…}], "releasing": ["<claim UID>"]}
 
 ``making`` is written before the backend makes a claim's partitions and dropped once the claim is recorded
 (or its partitions released): a partition the hardware holds that no claim owns is one a crash left behind,
 and only those listed here (kxpu's own) are ever destroyed by the reconciliation. ``unreleased`` holds the
 handles of partitions whose claim was unprepared while no backend could destroy them (the resource was no
-longer configured): released as soon as a backend that can is back.
+longer configured): released as soon as a backend that can is back. ``releasing`` marks the claims whose
+unprepare is destroying their partitions; a crash before their entry goes is finished at the next start.
 
 A file that cannot be read or parsed is moved aside (``.corrupt``) with an error naming it, and the
 driver starts with no prepared claims rather than not at all; the CDI specs already written stay in
@@ -141,13 +142,14 @@ class Checkpoint:
         self.claims: dict[str, PreparedClaim] = {}
         self.making: dict[str, Making] = {}
         self.unreleased: list[dict[str, str | int]] = []
+        self.releasing: list[str] = []  # claim UIDs whose unprepare is destroying their partitions
         self.set_aside = False  # the file on disk was unusable at load and moved away
 
     def load(self) -> None:
         try:
             text = self.path.read_text()
         except FileNotFoundError:
-            self.claims, self.making, self.unreleased = {}, {}, []
+            self.claims, self.making, self.unreleased, self.releasing = {}, {}, [], []
             return
         except OSError as exc:
             self._move_aside(f"unreadable: {exc.strerror or exc}")
@@ -162,6 +164,7 @@ class Checkpoint:
                 for uid, m in (raw.get("making") or {}).items()
             }
             self.unreleased = [dict(h) for h in raw.get("unreleased") or []]
+            self.releasing = [str(u) for u in raw.get("releasing") or []]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             self._move_aside(f"not a kxpu {VERSION} checkpoint of {self.driver}: {type(exc).__name__}: {exc}")
 
@@ -178,7 +181,7 @@ class Checkpoint:
             moved_to=str(aside),
             reason=why,
         )
-        self.claims, self.making, self.unreleased = {}, {}, []
+        self.claims, self.making, self.unreleased, self.releasing = {}, {}, [], []
 
     def save(self) -> None:
         doc = {
@@ -196,6 +199,7 @@ class Checkpoint:
                 else {}
             ),
             **({"unreleased": [dict(h) for h in self.unreleased]} if self.unreleased else {}),
+            **({"releasing": list(self.releasing)} if self.releasing else {}),
         }
         try:
             write_atomically(self.path, json.dumps(doc, indent=1) + "\n", mode=0o600, durable=True)

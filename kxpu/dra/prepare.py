@@ -364,13 +364,16 @@ class Preparer:
             raise
         except Exception:
             # Making failed: maybe on a partition a crash left behind (it overlaps). Reconcile and try once more.
+            # This claim's own record is out of it (realize is all or none: nothing was made): what is at its
+            # placements now is not kxpu's to destroy unless another record says so.
+            mine = self.checkpoint.making.pop(allocation.uid)
             if not await self._reconcile_locked():
-                self._forget_making(allocation.uid)  # realize is all or none: nothing was made
+                with contextlib.suppress(CheckpointError):
+                    self.checkpoint.save()
                 raise
-            self.checkpoint.making[allocation.uid] = Making(
-                allocation.ref, tuple(d.id for _, d in partitions)
-            )
+            self.checkpoint.making[allocation.uid] = mine
             try:
+                self.checkpoint.save()
                 made = await self._make(allocation, [d for _, d in partitions])
             except asyncio.CancelledError:
                 raise
@@ -440,6 +443,18 @@ class Preparer:
                 reclaimed += [str(h.get("id") or h.get("uuid") or dict(h)) for h in handles]
                 self.checkpoint.unreleased = [h for h in self.checkpoint.unreleased if h not in handles]
                 dirty = True
+        interrupted = [
+            ClaimRef(c.namespace, uid, c.name)
+            for uid in self.checkpoint.releasing
+            if (c := self.checkpoint.claims.get(uid)) is not None
+        ]
+        if len(interrupted) != len(self.checkpoint.releasing):
+            self.checkpoint.releasing = [r.uid for r in interrupted]
+            dirty = True
+        if interrupted:
+            self.log.info("finishing unprepares a crash interrupted", claims=[r.ref for r in interrupted])
+            done = await self._unprepare_locked(interrupted)
+            reclaimed += [f"{r.ref} (unprepared)" for r in interrupted if done.get(r.uid) is None]
         by_id = {d.id: d for d in self._by_name.values()}
         for uid, making in list(self.checkpoint.making.items()):
             if uid in self._realizing:
@@ -688,59 +703,84 @@ class Preparer:
     # -- unprepare --------------------------------------------------------------------------------------
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
         async with self._lock:
-            results: dict[str, str | None] = {}
-            removed: dict[str, PreparedClaim] = {}
-            for ref in refs:
-                started = time.perf_counter()
-                known = self.checkpoint.claims.get(ref.uid)
-                if known is not None:
-                    # Released before the checkpoint is saved: a crash in between releases again on the next
-                    # unprepare, which Partitioner.release must take (it is idempotent); never the other way
-                    # round, which would leak the partition.
-                    handles = [dict(d.partition) for d in known.devices if d.partition]
-                    try:
-                        if handles and not isinstance(self.backend, Partitioner):
-                            # Draining a driver whose resource left the config: no backend can destroy them now.
-                            # Kept on disk and destroyed once the resource is served through DRA again.
-                            self.checkpoint.unreleased.extend(handles)
-                            self.log.warning(
-                                "the claim's partitions stay in the hardware until its resource is served through "
-                                "DRA again (no configured backend can destroy them)",
-                                claim=ref.ref,
-                                partitions=[str(h.get("id") or h.get("uuid") or h) for h in handles],
-                            )
-                        else:
-                            await self._release(handles)
-                    except Exception as exc:
-                        results[ref.uid] = self._unprepare_failure(ref, "cannot destroy its partitions", exc)
-                        continue
-                paths = {self.spec_path(ref.uid)}
-                if known is not None and known.cdi_spec:
-                    paths.add(Path(known.cdi_spec))
+            return await self._unprepare_locked(refs)
+
+    async def _unprepare_locked(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
+        results: dict[str, str | None] = {}
+        removed: dict[str, PreparedClaim] = {}
+        # Written ahead: a claim whose partitions are being destroyed is marked, so that a crash before its entry
+        # goes is finished at the next start (the partitions gone, the claim still recorded, is no state to keep).
+        marking = [
+            r.uid
+            for r in refs
+            if r.uid not in self.checkpoint.releasing
+            and any(d.partition for d in getattr(self.checkpoint.claims.get(r.uid), "devices", ()))
+        ]
+        if marking:
+            self.checkpoint.releasing.extend(marking)
+            try:
+                self.checkpoint.save()
+            except CheckpointError as exc:
+                self.checkpoint.releasing = [u for u in self.checkpoint.releasing if u not in marking]
+                results.update(dict.fromkeys(marking, str(exc)))
+        for ref in refs:
+            if ref.uid in results:
+                continue
+            started = time.perf_counter()
+            known = self.checkpoint.claims.get(ref.uid)
+            if known is not None:
+                # Released before the checkpoint is saved: a crash in between releases again (at the next start,
+                # or the next unprepare), which Partitioner.release must take (it is idempotent); never the
+                # other way round, which would leak the partition.
+                handles = [dict(d.partition) for d in known.devices if d.partition]
                 try:
-                    for path in paths:
-                        path.unlink(missing_ok=True)
-                except OSError as exc:
-                    results[ref.uid] = self._unprepare_failure(ref, "cannot remove its CDI spec", exc)
+                    if handles and not isinstance(self.backend, Partitioner):
+                        # Draining a driver whose resource left the config: no backend can destroy them now.
+                        # Kept on disk and destroyed once the resource is served through DRA again.
+                        self.checkpoint.unreleased.extend(
+                            h for h in handles if h not in self.checkpoint.unreleased
+                        )
+                        self.log.warning(
+                            "the claim's partitions stay in the hardware until its resource is served through "
+                            "DRA again (no configured backend can destroy them)",
+                            claim=ref.ref,
+                            partitions=[str(h.get("id") or h.get("uuid") or h) for h in handles],
+                        )
+                    else:
+                        await self._release(handles)
+                except Exception as exc:
+                    results[ref.uid] = self._unprepare_failure(ref, "cannot destroy its partitions", exc)
                     continue
-                if known is not None:
-                    removed[ref.uid] = self.checkpoint.claims.pop(ref.uid)
-                results[ref.uid] = None
-                metrics.UNPREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
-                if known is not None:
-                    self.log.info("claim unprepared", claim=ref.ref, uid=ref.uid)
-            if removed:
-                try:
-                    self.checkpoint.save()
-                except CheckpointError as exc:
-                    # Memory stays what the disk says: the claims are still prepared, the kubelet retries.
-                    self.checkpoint.claims.update(removed)
-                    for uid in removed:
-                        results[uid] = str(exc)
-                else:
-                    self.changed.set()
-            metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
-            return results
+            paths = {self.spec_path(ref.uid)}
+            if known is not None and known.cdi_spec:
+                paths.add(Path(known.cdi_spec))
+            try:
+                for path in paths:
+                    path.unlink(missing_ok=True)
+            except OSError as exc:
+                results[ref.uid] = self._unprepare_failure(ref, "cannot remove its CDI spec", exc)
+                continue
+            if known is not None:
+                removed[ref.uid] = self.checkpoint.claims.pop(ref.uid)
+            results[ref.uid] = None
+            metrics.UNPREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
+            if known is not None:
+                self.log.info("claim unprepared", claim=ref.ref, uid=ref.uid)
+        if removed:
+            releasing = self.checkpoint.releasing
+            self.checkpoint.releasing = [u for u in releasing if u not in removed]
+            try:
+                self.checkpoint.save()
+            except CheckpointError as exc:
+                # Memory stays what the disk says: the claims are still prepared, the kubelet retries.
+                self.checkpoint.claims.update(removed)
+                self.checkpoint.releasing = releasing
+                for uid in removed:
+                    results[uid] = str(exc)
+            else:
+                self.changed.set()
+        metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
+        return results
 
     def _unprepare_failure(self, ref: ClaimRef, what: str, exc: Exception) -> str:
         detail = exc.strerror or str(exc) if isinstance(exc, OSError) else error_text(exc)
