@@ -330,9 +330,10 @@ class ResourceRunner:
         raise await servicer.stream_failure()
 
     async def _follow_withheld(self, withheld: Withheld) -> None:
+        seen = withheld.version
         while True:
-            seen = withheld.version
             await withheld.wait_newer_than(seen)
+            seen = withheld.version  # read before the update: a change meanwhile is waited for again
             if await self._update(self._discovered):
                 self.log.info("devices held by DRA claims changed", withheld=sorted(self._withheld_now()))
 
