@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,11 @@ def test_only_kxpu_checkpoints_of_their_own_driver_count(tmp_path: Path) -> None
     assert find_leftovers(tmp_path, {"a.example.com"}) == []
     # Another vendor's file is neither used nor moved aside.
     assert (tmp_path / "gpu.nvidia.com" / "checkpoint.json").exists()
+    # A driver another live process serves (a second daemon, an update's other pod) is left to it.
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(str(tmp_path / "a.example.com" / "dra.sock"))
+        live.listen()
+        assert find_leftovers(tmp_path, set()) == []
 
 
 async def test_a_renamed_driver_never_prepares_what_the_old_ones_claims_hold(rig: Rig) -> None:  # noqa: F811
@@ -192,6 +198,7 @@ async def test_a_renamed_driver_never_prepares_what_the_old_ones_claims_hold(rig
     await rig.kubelet.wait_registered(DRIVER)
     old = await prepared(rig, "old", "sim-0")
     renamed = rig.config(dra={"nodeName": NODE, "cdiSpecDir": str(rig.cdi), "driverName": "npu2.example.com"})
+    await rig.stop()
     drained = leftovers(rig, renamed)
     assert drained is not None
     original = rig.factory
@@ -202,7 +209,6 @@ async def test_a_renamed_driver_never_prepares_what_the_old_ones_claims_hold(rig
         return plugin
 
     rig.factory = wired  # type: ignore[method-assign]
-    await rig.stop()
     rig.daemon = Daemon(renamed, lambda: renamed, _build, dra=rig.factory, leftovers=drained)
     rig.task = asyncio.create_task(rig.daemon.run())
     await rig.kubelet.wait_registered("npu2.example.com")

@@ -30,8 +30,10 @@ from typing import Any, Protocol
 
 from kxpu.config import Config, ResourceConfig
 from kxpu.dra.checkpoint import VERSION, held_devices
+from kxpu.dra.config import dra_socket
 from kxpu.logs import error_text, get_logger
 from kxpu.model import Backend, BackendError, ContainerEdits, Device
+from kxpu.sockets import live_socket
 
 log = get_logger("kxpu.dra.leftover")
 
@@ -39,7 +41,8 @@ CHECKPOINT = "checkpoint.json"
 
 
 def find_leftovers(plugins_dir: Path, served: set[str]) -> list[str]:
-    """The drivers under ``plugins_dir`` with claims in a kxpu checkpoint that are not in ``served``."""
+    """The drivers under ``plugins_dir`` with claims in a kxpu checkpoint that are not in ``served`` and that no
+    other live process serves."""
     try:
         entries = sorted(plugins_dir.iterdir())
     except OSError:
@@ -47,8 +50,8 @@ def find_leftovers(plugins_dir: Path, served: set[str]) -> list[str]:
     out = []
     for entry in entries:
         driver = entry.name
-        if driver in served:
-            continue
+        if driver in served or live_socket(dra_socket(plugins_dir, driver)):
+            continue  # served here, or by another live process (a second daemon, an update's other pod)
         try:
             raw = json.loads((entry / CHECKPOINT).read_text())
         except (OSError, ValueError):
