@@ -381,7 +381,8 @@ class Preparer:
                 self._forget_making(allocation.uid)
                 raise
         if len(made) != len(partitions):
-            await self._release_quietly(allocation, [h for _, h in made])
+            if await self._release_quietly(allocation, [h for _, h in made]):
+                self._forget_making(allocation.uid)
             raise BackendError(f"the backend made {len(made)} partitions for {len(partitions)} asked")
         realized = {
             a.device: (device, dict(handle))
