@@ -158,13 +158,15 @@ def plugin(
     events = _grant_events() if config.telemetry.enabled and config.telemetry.events else None
 
     async def serve() -> int:
+        leftovers = _leftovers(config, node)
         daemon = Daemon(
             config,
             reload,
             _build,
             http_address or None,
-            dra=lambda *args: _dra(daemon, *args),
+            dra=lambda resource, backend, snapshot: _dra(daemon, resource, backend, snapshot, leftovers),
             on_grant_exceeded=events,
+            leftovers=leftovers,
         )
         code = await daemon.run()
         if daemon.abandoned or daemon.stuck_calls:
@@ -177,7 +179,9 @@ def plugin(
     sys.exit(asyncio.run(serve()))
 
 
-def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any) -> Any:
+def _dra(
+    daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any, leftovers: Any = None
+) -> Any:
     """The DRA half of a resource: its API client and the kubelet directories of the running config."""
     from kxpu.dra.kube import DraKube
     from kxpu.dra.plugin import DraPlugin
@@ -189,7 +193,7 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         )
     kube = DraKube(resource.dra_driver)
     config = daemon.config
-    return DraPlugin(
+    plugin = DraPlugin(
         resource.name,
         resource.dra_driver,
         node,
@@ -203,6 +207,43 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         config.pod_resources_socket,
         close=kube.close,
     )
+    if leftovers is not None:  # never prepare what a drained (renamed or removed) driver's claims still hold
+        plugin.preparer.elsewhere = lambda: leftovers.withheld_from(resource.name)
+    return plugin
+
+
+def _leftovers(config: Config, node: str) -> Any:
+    """The DRA drivers with claims still prepared that this config no longer serves through DRA
+    (``kxpu.dra.leftover``), each served for unprepare only; None when there are none."""
+    from kxpu.dra.leftover import leftovers_for
+
+    def make(driver: str, resource: ResourceConfig | None) -> Any:
+        from kxpu.daemon.snapshot import DeviceSnapshot
+        from kxpu.dra.config import DraConfig
+        from kxpu.dra.kube import DraKube
+        from kxpu.dra.leftover import NoDevices
+        from kxpu.dra.plugin import DraPlugin
+
+        settings = resource.dra if resource is not None else DraConfig()
+        kube = DraKube(driver)
+        return DraPlugin(
+            resource.name if resource is not None else driver,
+            driver,
+            settings.node_name or node,
+            NoDevices(),
+            DeviceSnapshot(),
+            config.kubelet_plugins_dir,
+            config.plugins_registry_dir,
+            kube,
+            kube,
+            settings,
+            close=kube.close,
+        )
+
+    try:
+        return leftovers_for(config, node, make)
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def _grant_events() -> Any:

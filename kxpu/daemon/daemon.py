@@ -12,14 +12,21 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
 from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.http import HealthServer
 from kxpu.daemon.registration import file_identity
-from kxpu.daemon.resource import BackendFactory, DraFactory, Phase, ResourceRunner, check_socket_paths
+from kxpu.daemon.resource import (
+    BackendFactory,
+    DraFactory,
+    Phase,
+    ResourceRunner,
+    Withheld,
+    check_socket_paths,
+)
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.fswatch import directory_changes
 from kxpu.logs import error_text, get_logger, log_failure
@@ -81,6 +88,18 @@ class _TrackingExecutor(ThreadPoolExecutor):
             raise
 
 
+class Leftovers(Withheld, Protocol):
+    """DRA drivers the config no longer serves whose claims are still prepared (``kxpu.dra.leftover``)."""
+
+    def __bool__(self) -> bool: ...
+
+    async def run(self) -> None: ...
+
+    async def hand_over(self, drivers: set[str]) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class _Running:
     runner: ResourceRunner
@@ -98,8 +117,11 @@ class Daemon:
         http_address: str | None = None,
         dra: DraFactory | None = None,
         on_grant_exceeded: ExceededHandler | None = None,
+        leftovers: Leftovers | None = None,
     ) -> None:
         self.config = config
+        # DRA drivers the config no longer serves whose claims are still prepared (kxpu.dra.leftover).
+        self._leftovers = leftovers
         self._dra = dra
         self.http_address = http_address
         self._on_grant_exceeded = on_grant_exceeded
@@ -142,6 +164,8 @@ class Daemon:
             self._watcher = asyncio.create_task(self._watch_plugin_dir())
             resync = asyncio.create_task(self._resync())
             background = [self._watcher, resync, *self._start_telemetry()]
+            if self._leftovers is not None:
+                background.append(asyncio.create_task(self._leftovers.run(), name="draining DRA drivers"))
             await self._stop.wait()
             log.info("stopping")
             for task in background:
@@ -202,7 +226,9 @@ class Daemon:
         ]
 
     def _start(self, resource: ResourceConfig) -> None:
-        runner = ResourceRunner(resource, self.config.device_plugin_dir, self._build, self._dra)
+        runner = ResourceRunner(
+            resource, self.config.device_plugin_dir, self._build, self._dra, self._leftovers
+        )
         task = asyncio.create_task(runner.run(), name=f"resource {resource.name}")
         self._running[resource.name] = _Running(runner, task)
 
@@ -272,6 +298,8 @@ class Daemon:
         doc: dict[str, Any] = {"devicePluginDir": str(self.config.device_plugin_dir), "resources": resources}
         if self._telemetry is not None:
             doc["telemetry"] = self._telemetry.status()
+        if self._leftovers is not None and self._leftovers:
+            doc["drainingDrivers"] = self._leftovers.describe()
         return doc
 
     def _poke_all(self) -> None:
@@ -367,6 +395,10 @@ class Daemon:
             # its devices (a restart or a config change that keeps DRA keeps them).
             if runner.config.serve == "dra" and (name not in wanted or wanted[name].serve != "dra"):
                 await runner.withdraw()
+        if self._leftovers is not None:  # a draining driver served through DRA again takes its claims back
+            await self._leftovers.hand_over(
+                {wanted[n].dra_driver for n in changed + added if wanted[n].serve == "dra"}
+            )
         for name in changed + added:
             self._start(wanted[name])
         kept = len(current) - len(removed) - len(changed)

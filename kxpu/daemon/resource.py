@@ -15,7 +15,7 @@ import hashlib
 import itertools
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,7 +31,7 @@ from kxpu.daemon.serving import stop_server
 from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.daemon.wire import KUBELET_SOCKET, SERVER_OPTIONS
 from kxpu.logs import error_text, get_logger, log_failure
-from kxpu.model import Backend, BackendError, Closable, Device, Watcher
+from kxpu.model import Backend, BackendError, Closable, Device, Health, Watcher
 from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
@@ -64,6 +64,19 @@ class DraServer(Protocol):
     def describe(self) -> dict[str, Any]:
         """For the daemon's /status: the driver, its pool and the prepared claims."""
         ...
+
+
+class Withheld(Protocol):
+    """Devices prepared DRA claims hold for a driver the config no longer serves through DRA
+    (``kxpu.dra.leftover.Leftovers``): the device plugin offers them as Unhealthy until they are released."""
+
+    version: int
+
+    def withheld(self, driver: str) -> Mapping[str, str]:
+        """Device ID or UUID → why it is not offered."""
+        ...
+
+    async def wait_newer_than(self, version: int) -> None: ...
 
 
 # (resource, backend, snapshot) → its DRA server; the CLI wires the Kubernetes client and directories in.
@@ -154,9 +167,16 @@ def _obstacle(path: Path) -> str | None:
 
 class ResourceRunner:
     def __init__(
-        self, config: ResourceConfig, plugin_dir: Path, build: BackendFactory, dra: DraFactory | None = None
+        self,
+        config: ResourceConfig,
+        plugin_dir: Path,
+        build: BackendFactory,
+        dra: DraFactory | None = None,
+        withheld: Withheld | None = None,
     ) -> None:
         self.config = config
+        self.withheld = withheld
+        self._discovered: list[Device] = []
         self.plugin_dir = plugin_dir
         self.build = build
         self.dra_factory = dra
@@ -257,6 +277,8 @@ class ResourceRunner:
                 if isinstance(backend, Watcher):
                     tasks.create_task(self._follow(backend))
                 tasks.create_task(self._serve_and_register(servicer))
+                if self.withheld is not None:
+                    tasks.create_task(self._follow_withheld(self.withheld))
                 tasks.create_task(self._fail_with_streams(servicer))
         finally:
             self.backend = None
@@ -313,7 +335,32 @@ class ResourceRunner:
         the dead stream's devices unhealthy with nothing logged and nothing retried."""
         raise await servicer.stream_failure()
 
+    async def _follow_withheld(self, withheld: Withheld) -> None:
+        seen = withheld.version
+        while True:
+            await withheld.wait_newer_than(seen)
+            seen = withheld.version  # read before the update: a change meanwhile is waited for again
+            if await self._update(self._discovered):
+                self.log.info("devices held by DRA claims changed", withheld=sorted(self._withheld_now()))
+
+    def _withheld_now(self) -> Mapping[str, str]:
+        if self.withheld is None or self.config.serve == "dra":
+            return {}
+        try:
+            return self.withheld.withheld(self.config.dra_driver)
+        except ValueError:  # no DRA driver name can be derived from this resource's name
+            return {}
+
     async def _update(self, devices: list[Device]) -> bool:
+        self._discovered = devices
+        held = self._withheld_now()
+        if held:  # never offered through the device plugin while a DRA claim holds them
+            devices = [
+                d.with_health(Health.UNHEALTHY, reason=held.get(d.id) or held[str(d.uuid)])
+                if d.id in held or (d.uuid is not None and d.uuid in held)
+                else d
+                for d in devices
+            ]
         changed = await self.snapshot.update(devices)
         if changed:
             metrics.observe_devices(self.config.name, devices, self._reported)
