@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 import tests.flaky_backend  # noqa: F401  (registers the `breaking` backend)
 from kxpu.config import Config, parse_config
-from kxpu.daemon import Phase
+from kxpu.daemon import Daemon, Phase
 from tests.test_dra_daemon import DRIVER, NODE, NPU, Rig, eventually, result
 
 
@@ -119,3 +120,75 @@ async def test_a_driver_that_served_again_starts_its_backoff_over(rig: Rig) -> N
         back_after = asyncio.get_running_loop().time() - failed_at
     assert back_after < 1.5, f"the third retry waited {back_after:.1f} s: the backoff was never reset"
     await eventually(lambda: daemon.readiness()[0])
+
+
+async def test_a_prepare_hanging_in_the_backend_holds_up_no_other_claim(rig: Rig) -> None:
+    """A backend whose allocate never answers (an API server that does not): the kubelet's call ends at its
+    deadline, and the node's other prepares and unprepares go on (the claim lock is not held for good)."""
+    from kxpu.api.dra.v1 import api_pb2 as dra_pb
+    from kxpu.api.dra.v1 import api_pb2_grpc as dra_grpc
+    from kxpu.backends.simulated import SimulatedBackend
+
+    hang = asyncio.Event()
+
+    class Hanging(SimulatedBackend):
+        async def allocate_async(self, devices: Any) -> Any:
+            if hang.is_set():
+                await asyncio.Event().wait()
+            return self.allocate(devices)
+
+        async def preferred_allocation_async(self, available: Any, must_include: Any, size: int) -> list[str]:
+            return [d.id for d in available][:size]
+
+    config = rig.config()
+    daemon = Daemon(config, lambda: config, lambda r: Hanging(r.backend_config), dra=rig.factory)
+    task = asyncio.create_task(daemon.run())
+    try:
+        driver = await rig.kubelet.wait_registered(DRIVER)
+        before = rig.api.add_claim("before", [result("sim-0")])
+        assert (await rig.kubelet.prepare(DRIVER, before)).claims[before.uid].error == ""
+        hang.set()
+        stuck = rig.api.add_claim("stuck", [result("sim-1")])
+        request = dra_pb.NodePrepareResourcesRequest(
+            claims=[dra_pb.Claim(namespace=stuck.namespace, uid=stuck.uid, name=stuck.name)]
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await dra_grpc.DRAPluginStub(driver.channel).NodePrepareResources(request, timeout=1)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        hang.clear()
+        unprepared = await asyncio.wait_for(rig.kubelet.unprepare(DRIVER, before), 5)
+        assert unprepared.claims[before.uid].error == ""
+        after = rig.api.add_claim("after", [result("sim-2")])
+        prepared = await asyncio.wait_for(rig.kubelet.prepare(DRIVER, after), 5)
+        assert prepared.claims[after.uid].error == ""
+    finally:
+        daemon.stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_failing_discover_is_retried_until_the_driver_serves(rig: Rig) -> None:
+    config = parse_config(
+        {
+            "version": "v1",
+            "devicePluginDir": str(rig.root / "dp"),
+            "kubeletPluginsDir": str(rig.plugins),
+            "pluginsRegistryDir": str(rig.registry),
+            "resources": [
+                {
+                    "name": NPU,
+                    "flaky": {"failWhile": str(rig.root / "not-ready"), "count": 2},
+                    "serve": "dra",
+                    "dra": {"nodeName": NODE, "cdiSpecDir": str(rig.cdi)},
+                }
+            ],
+        }
+    )
+    (rig.root / "not-ready").touch()
+    daemon = await rig.start(config)
+    await eventually(lambda: daemon.readiness()[1]["resources"].get(NPU) == Phase.FAILED)
+    assert not rig.pool() and DRIVER not in rig.kubelet.drivers
+    (rig.root / "not-ready").unlink()
+    await rig.kubelet.wait_registered(DRIVER, timeout=15)
+    await eventually(lambda: daemon.readiness()[0] and len(rig.pool()) == 2, timeout=15)
+    claim = rig.api.add_claim("c", [result("flaky-1")])
+    assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
