@@ -29,7 +29,7 @@ fi
 
 mkdir -p "$CACHE"
 exec 9>"$CACHE/.lock"
-flock 9  # one build at a time; runs share the finished chroot (each in its own mount namespace)
+flock 9  # one build at a time, and never while a run uses the chroot (each run in its own mount namespace)
 
 KEY=$(cat "$0" "$REPO/pyproject.toml" | sha256sum | cut -c1-16)
 if [[ "$(cat "$ROOT/.stamp" 2>/dev/null)" != "$KEY" ]]; then
@@ -76,7 +76,7 @@ print("\n".join(project["dependencies"] + tests))
   mv "$ROOT.partial" "$ROOT"
   log "built in $((SECONDS - t0))s"
 fi
-exec 9>&-
+flock -s 9  # held by the run (the fd goes with exec): runs share the chroot, a rebuild waits for them
 
 log "$(chroot "$ROOT" $VENV/bin/python -V) on $SUITE: pytest $*"
 # A private mount namespace: the checkout, /proc and a fresh /dev/shm are mounted for this run only.
