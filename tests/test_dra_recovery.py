@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -127,7 +127,7 @@ async def test_a_prepare_hanging_in_the_backend_holds_up_no_other_claim(rig: Rig
     deadline, and the node's other prepares and unprepares go on (the claim lock is not held for good)."""
     from kxpu.api.dra.v1 import api_pb2 as dra_pb
     from kxpu.api.dra.v1 import api_pb2_grpc as dra_grpc
-    from kxpu.backends.simulated import SimulatedBackend
+    from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
 
     hang = asyncio.Event()
 
@@ -141,7 +141,9 @@ async def test_a_prepare_hanging_in_the_backend_holds_up_no_other_claim(rig: Rig
             return [d.id for d in available][:size]
 
     config = rig.config()
-    daemon = Daemon(config, lambda: config, lambda r: Hanging(r.backend_config), dra=rig.factory)
+    daemon = Daemon(
+        config, lambda: config, lambda r: Hanging(cast(SimulatedConfig, r.backend_config)), dra=rig.factory
+    )
     task = asyncio.create_task(daemon.run())
     try:
         driver = await rig.kubelet.wait_registered(DRIVER)

@@ -1,7 +1,8 @@
-"""A DRA resource whose backend fails while a claim is prepared, on the real cluster: the running pod is left
-alone, the resource is retried and serves as after a first start (the kubelet unprepares a deleted pod's claim,
-the scheduler allocates a new claim from the slices published again). The failing backend is the repository's
-test backend ``breaking`` (tests/flaky_backend.py), loaded with ``--import``."""
+"""A resource whose backend fails while serving, on the real cluster: it is retried and serves again, through the
+device plugin (the node's allocatable comes back, a new pod gets a device) and through DRA with a claim
+prepared (the running pod is left alone, the kubelet unprepares the deleted pod's claim, the scheduler allocates
+a new claim from the slices published again). The failing backend is the repository's test backend
+``breaking`` (tests/flaky_backend.py), loaded with ``--import``."""
 
 from __future__ import annotations
 
@@ -40,6 +41,29 @@ def visible(log: str) -> list[str]:
     match = re.search(r"^BREAKING=(.*)$", log, re.M)
     assert match, log
     return sorted(filter(None, match.group(1).split(",")))
+
+
+def test_a_failed_watch_is_retried_through_the_device_plugin(e2e: E2E, tmp_path: Path) -> None:
+    """On Python 3.11 and 3.12 the failure was taken for a stop: the resource stayed stopped, its allocatable 0."""
+    broken = "example.com/broken"
+    resource = {
+        "name": broken,
+        "breaking": {"breakWhen": str(tmp_path / "break"), "marker": str(tmp_path / "failures")},
+    }
+    daemon = e2e.kxpu([resource], imports=TEST_BACKENDS)
+    kube.wait_resource(e2e.cluster, broken, allocatable=2, capacity=2, timeout=60)
+    (tmp_path / "break").touch()
+    kube.wait_until("the backend to fail", lambda: failures(tmp_path) > 0 or None, timeout=30, interval=0.05)
+    (tmp_path / "break").unlink()
+    kube.wait_until(
+        "kxpu to register the resource again",
+        lambda: daemon.log_text().count("registered with the kubelet") >= 2 or None,
+        timeout=60,
+    )
+    kube.wait_resource(e2e.cluster, broken, allocatable=2, capacity=2, timeout=60)
+    pod = e2e.pod("after-failure", REPORT, {broken: 1})
+    kube.wait_pod_phase(e2e.cluster, pod.name, "Running")
+    assert len(visible(kube.wait_pod_log(e2e.cluster, pod.name, "end-of-report"))) == 1
 
 
 def test_a_failed_watch_with_a_prepared_claim_recovers(e2e: E2E, tmp_path: Path) -> None:
