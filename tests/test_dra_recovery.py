@@ -194,3 +194,15 @@ async def test_a_failing_discover_is_retried_until_the_driver_serves(rig: Rig) -
     await eventually(lambda: daemon.readiness()[0] and len(rig.pool()) == 2, timeout=15)
     claim = rig.api.add_claim("c", [result("flaky-1")])
     assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+
+
+async def test_a_watch_that_ends_leaves_the_driver_serving(rig: Rig) -> None:
+    """Without a state file the simulated backend's watch yields once and ends: the device list is static from
+    then on, not a failure (the driver neither stops nor restarts)."""
+    config = rig.config(simulated={"count": 2, "model": "sim"})
+    daemon = await rig.start(config)
+    await rig.kubelet.wait_registered(DRIVER)
+    await eventually(lambda: daemon.readiness()[0] and len(rig.pool()) == 2)
+    claim = rig.api.add_claim("c", [result("sim-1")])
+    assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+    assert rig.kubelet.registrations == 1 and daemon.readiness()[0]
