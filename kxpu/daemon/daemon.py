@@ -239,7 +239,7 @@ class Daemon:
         if not stopping:
             return {}
         for running in stopping:
-            running.task.cancel()
+            running.runner.stop()
         deadline = asyncio.get_running_loop().time() + STOP_SECONDS
         pending = {running.task for running in stopping}
         while pending:
@@ -247,8 +247,9 @@ class Daemon:
             if left <= 0:
                 break
             _, pending = await asyncio.wait(pending, timeout=min(left, 0.5))
-            for task in pending:  # a swallowed cancellation is asked again
-                task.cancel()
+            for running in stopping:  # a swallowed cancellation is asked again
+                if running.task in pending:
+                    running.runner.stop()
         for running in stopping:
             if running.task in pending:
                 name = running.runner.config.name

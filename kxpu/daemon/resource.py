@@ -55,6 +55,11 @@ class DraServer(Protocol):
     @property
     def ready(self) -> bool: ...
 
+    @property
+    def registrations(self) -> int:
+        """How often the kubelet accepted this server's registration."""
+        ...
+
     async def run(self) -> None: ...
 
     def poke(self) -> None: ...
@@ -94,6 +99,11 @@ class Phase(enum.StrEnum):
     FAILED = "failed"
     STOPPED = "stopped"
 
+
+# A failed resource is retried after 0.5 s, then 1, 2, 4 ... at most 30 s apart; a resource that registered
+# (served) again before failing starts over at 0.5 s.
+RETRY_INITIAL_SECONDS = 0.5
+RETRY_MAX_SECONDS = 30.0
 
 _HASH_HEX = 16
 _SHORTEST_NAME = len("kxpu-") + _HASH_HEX + len(".sock")  # a hashed socket name without a hint
@@ -185,12 +195,17 @@ class ResourceRunner:
         self.socket_path = plugin_dir / socket_name(config.name, plugin_dir)
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET
         self._phase = Phase.STARTING
-        self.registrations = 0
+        self.registrations = 0  # with the kubelet's device manager
+        self._dra_registrations = 0  # of the DRA servers that have stopped
         self.snapshot = DeviceSnapshot()
         self.backend: Backend | None = None  # while the resource runs (telemetry samples it)
         self._servicer: DevicePluginServicer | None = None
         self._poked = asyncio.Event()
         self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
+        # Set by stop(): what tells a requested stop from a failure. A task's cancelling() count cannot: on
+        # Python 3.11 and 3.12 a TaskGroup whose child failed leaves its parent's count at 1 for good.
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
         self.log = log.bind(resource=config.name)
 
     @property
@@ -223,17 +238,27 @@ class ResourceRunner:
         if self.dra is not None:
             self.dra.poke()
 
+    def stop(self) -> None:
+        """Ask the runner to stop (SIGTERM, a reload): its task is cancelled, and a failure torn down meanwhile
+        ends the runner instead of being retried. Safe to call again (a swallowed cancellation is asked again)."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+
     async def run(self) -> None:
-        """Run until cancelled; a failure is logged and retried, never propagated to other resources."""
-        backoff = Backoff(initial=0.5, maximum=30.0)
+        """Run until stop(); a failure is logged and retried with backoff, never propagated to other resources."""
+        self._task = asyncio.current_task()
+        backoff = Backoff(initial=RETRY_INITIAL_SECONDS, maximum=RETRY_MAX_SECONDS)
         try:
-            while True:
-                registered_before = self.registrations
+            while not self._stopping:  # stop() before this task first ran had no task to cancel
+                served_before = self._times_served()
                 try:
                     await self._run_once()
-                    return
+                    if self._stopping:
+                        return
+                    raise RuntimeError("the resource stopped serving without an error")  # retried below
                 except Exception as exc:
-                    if _stop_requested():
+                    if self._stopping:
                         # Stopped (SIGTERM, a reload) while this failure was being torn down: asyncio's
                         # TaskGroup then raises the child's error and drops the cancellation. Retrying
                         # would serve and register again after "stopping" and never end.
@@ -241,7 +266,7 @@ class ResourceRunner:
                         raise asyncio.CancelledError from None
                     self.phase = Phase.FAILED
                     metrics.RESOURCE_FAILURES.labels(self.config.name).inc()
-                    if self.registrations > registered_before:
+                    if self._times_served() > served_before:
                         backoff.reset()  # it worked for a while: a new failure starts the backoff over
                     delay = backoff.next_delay()
                     log_failure(self.log, "resource failed; retrying", exc, retry_in_s=delay)
@@ -250,12 +275,18 @@ class ResourceRunner:
             self.phase = Phase.STOPPED
             metrics.forget_resource(self.config.name, self.snapshot.devices)
 
+    def _times_served(self) -> int:
+        """Registrations with the kubelet, through the device plugin or DRA."""
+        return self.registrations + self._dra_registrations + (self.dra.registrations if self.dra else 0)
+
     async def _run_once(self) -> None:
         backend = await self._build_backend()
         self.backend = backend
         try:
             self.snapshot = DeviceSnapshot()
             await self._update(await asyncio.to_thread(backend.discover))
+            # Serving again after a failure: the DRA half's phase shows through only while ours is not FAILED.
+            self.phase = Phase.STARTING
             if self.config.serve == "dra":
                 await self._run_dra(backend)
                 return
@@ -301,6 +332,7 @@ class ResourceRunner:
                     tasks.create_task(self._follow(backend))
                 tasks.create_task(self.dra.run())
         finally:
+            self._dra_registrations += self.dra.registrations
             self.dra = None
 
     @property
@@ -499,12 +531,6 @@ class ResourceRunner:
 
     async def _wait_poke(self, timeout: float) -> None:
         await wait_event(self._poked, timeout)
-
-
-def _stop_requested() -> bool:
-    """Whether the current task has been asked to stop, even if the CancelledError was swallowed."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _close_built(building: asyncio.Future[Backend]) -> None:

@@ -173,6 +173,7 @@ class DraPlugin:
         self._active = asyncio.Event()  # serving (not standing by): only then are slices published
         self.phase = DraPhase.STARTING
         self.registered = False
+        self.registrations = 0  # how often the kubelet accepted the registration (the runner's backoff)
         self.registration_error = ""
         self.published_revision = -1
         self._poked = asyncio.Event()
@@ -202,6 +203,7 @@ class DraPlugin:
         self.registered, self.registration_error = registered, error
         metrics.DRIVER_REGISTERED.labels(self.driver).set(1 if registered else 0)
         if registered:
+            self.registrations += 1
             self.log.info("registered with the kubelet")
         else:
             self.log.error("the kubelet refused the registration", reason=error or "no reason given")
