@@ -61,6 +61,30 @@ STATUS_CHANGES_METADATA = (
     " || object.metadata.?labels.orValue({}) != oldObject.metadata.?labels.orValue({})"
     " || object.metadata.?annotations.orValue({}) != oldObject.metadata.?annotations.orValue({})"
 )
+SHARED_CONDITION_START = "object.spec.containers.exists(c, "
+
+
+def shared_condition(names: list[str], kxpu_metadata: bool) -> str:
+    """As the chart's webhook matchConditions: a pod asking for one of ``names`` (containers or init containers,
+    limits or requests) and, for the validating webhook, any pod carrying or having carried kxpu.io/ annotations
+    or labels. Registered by this harness too, so the e2e suite proves the API server compiles and applies it."""
+    quoted = "[" + ", ".join(f"'{n}'" for n in names) + "]"
+    asks_in = (
+        f"c.?resources.?limits.orValue({{}}).exists(k, k in {quoted})"
+        f" || c.?resources.?requests.orValue({{}}).exists(k, k in {quoted})"
+    )
+    out = (
+        f"{SHARED_CONDITION_START}{asks_in}) || object.spec.?initContainers.orValue([]).exists(c, {asks_in})"
+    )
+    if kxpu_metadata:
+        meta = (
+            "{0}.metadata.?annotations.orValue({{}}).exists(k, k.startsWith('kxpu.io/'))"
+            " || {0}.metadata.?labels.orValue({{}}).exists(k, k.startsWith('kxpu.io/'))"
+        )
+        out += f" || {meta.format('object')} || (oldObject != null && ({meta.format('oldObject')}))"
+    return out
+
+
 TRUSTED_USERS = ["kubernetes-admin"]  # the extender and the node daemon use the admin kubeconfig here
 TENANT = "kxpu-e2e-tenant"  # impersonated by the tests: not trusted by the webhook
 DEVICES = 2
@@ -310,11 +334,12 @@ class Sharing:
     def _write_configs(self) -> None:
         names = self.signing_scheme.split("+")
         node_keys = [
-            {"secret": f"{NS}/keys"} if n == "hmac" else {"configMap": f"{NS}/{VERIFY_KEYS}"}
+            {"secret": f"{NS}/keys", "hmac": True} if n == "hmac" else {"configMap": f"{NS}/{VERIFY_KEYS}"}
             for n in (self.node_signing or self.signing_scheme).split("+")
         ]
         extender_keys = [
-            {"secret": f"{NS}/keys"} if n == "hmac" else {"secret": f"{NS}/signing"} for n in names
+            {"secret": f"{NS}/keys", "hmac": True} if n == "hmac" else {"secret": f"{NS}/signing"}
+            for n in names
         ]
         node_signing = {"signingKey": node_keys[0], "extraKeys": node_keys[1:], "lockNamespace": NS}
         custom = None
@@ -359,6 +384,7 @@ class Sharing:
         managed = [{"name": self.res, "ignoredByScheduler": False}] + [
             {"name": name, "ignoredByScheduler": True} for name in companions
         ]
+        self.managed = managed
         scheduler = {
             "apiVersion": "kubescheduler.config.k8s.io/v1",
             "kind": "KubeSchedulerConfiguration",
@@ -413,15 +439,19 @@ class Sharing:
                 ],
                 "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NS}},
             }
+            # as the chart: only pods asking for shared devices (or carrying kxpu's metadata) are sent
+            names = [str(m["name"]) for m in self.managed]
+            conditions = [{"name": "shared", "expression": shared_condition(names, kind == "Validating")}]
             if kind == "Validating":  # as the chart: kxpu's own updates skip the call
                 users = ",".join(f"'{u}'" for u in TRUSTED_USERS)
-                hook["matchConditions"] = [
+                conditions += [
                     {
                         "name": "not-a-kxpu-update",
                         "expression": f"request.operation != 'UPDATE' || !(request.userInfo.username in [{users}])",
                     },
                     {"name": "status-changes-metadata", "expression": STATUS_CHANGES_METADATA},
                 ]
+            hook["matchConditions"] = conditions
             docs.append(
                 {
                     "apiVersion": "admissionregistration.k8s.io/v1",

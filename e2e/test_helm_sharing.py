@@ -45,7 +45,7 @@ DEVICES, SPLIT = 2, 4
 SCHEDULER_NAME = "kxpu-scheduler"  # the chart's default sharing.schedulerName
 TLS_SECRET = "kxpu-e2e-webhook-tls"
 WEBHOOK = f"{RELEASE}-webhook"
-SIGNING_SECRET = f"{RELEASE}-signing-ed25519"  # mounted into the scheduler pod only
+SIGNING_SECRET = f"{RELEASE}-signing-ed25519"  # made by the extender on first start; read by it only
 VERIFY_KEYS = f"{RELEASE}-verify-keys"  # the public keys the extender publishes for the node daemons
 RULE_TAG = "kxpu-e2e-helm-sharing"  # the comment on every iptables rule this scenario adds
 REPORT_END = "end-of-report"
@@ -191,21 +191,20 @@ def release(e2e: E2E, tmp_path: Path) -> Iterator[tuple[Cluster, ServiceRoutes]]
         yield cluster, routes
 
 
-def wait_ready(cluster: Cluster, component: str, timeout: float = 120) -> dict[str, Any]:
-    """The component's one pod, once Ready; on a timeout the failure carries the release's pods and logs."""
+def wait_ready(cluster: Cluster, component: str, timeout: float = 120, count: int = 1) -> dict[str, Any]:
+    """The component's pod (the first of ``count``), once all are Ready; on a timeout the failure carries the
+    release's pods and logs."""
+
+    def all_ready() -> list[dict[str, Any]] | None:
+        pods = daemon_pods(cluster, NAMESPACE, RELEASE, f"app.kubernetes.io/component={component}")
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        return live if len(live) == count and all(ready(p) for p in live) else None
+
     try:
-        (pod,) = kube.wait_until(
-            f"one Ready {component} pod",
-            lambda: [
-                p
-                for p in daemon_pods(cluster, NAMESPACE, RELEASE, f"app.kubernetes.io/component={component}")
-                if ready(p)
-            ],
-            timeout,
-        )
+        pods = kube.wait_until(f"{count} Ready {component} pod(s)", all_ready, timeout)
     except kube.WaitTimeout as exc:
         raise AssertionError(f"{exc}\n{diagnostics(cluster, NAMESPACE, RELEASE)}") from None
-    return pod
+    return pods[0]
 
 
 def test_helm_sharing_schedules_a_shared_pod(release: tuple[Cluster, ServiceRoutes]) -> None:
@@ -214,7 +213,7 @@ def test_helm_sharing_schedules_a_shared_pod(release: tuple[Cluster, ServiceRout
     extender with a signed assignment, and its container sees its limits."""
     cluster, routes = release
     scheduler = wait_ready(cluster, "scheduler")
-    webhook = wait_ready(cluster, "webhook")
+    webhook = wait_ready(cluster, "webhook", count=2)  # two replicas (and a PodDisruptionBudget)
     wait_ready(cluster, "plugin")
     service_ip = cluster.kubectl_json("get", "service", WEBHOOK, "-n", NAMESPACE)["spec"]["clusterIP"]
     routes.service_for_host(service_ip, webhook["status"]["podIP"], 8443)
@@ -294,3 +293,27 @@ def test_helm_sharing_schedules_a_shared_pod(release: tuple[Cluster, ServiceRout
     with contextlib.closing(urllib.request.urlopen(url, timeout=5)) as resp:
         metrics = resp.read().decode()
     assert "kxpu_scheduler_decisions" in metrics, metrics[-2000:]
+
+    # The key was made in the cluster by the extender (no Helm owner: in no release revision), and a restart of
+    # the scheduler pod keeps it: the next pod's assignment is signed with the same key id.
+    labels = secret["metadata"].get("labels") or {}
+    assert labels.get("app.kubernetes.io/managed-by") == "kxpu", secret["metadata"]
+    assert "meta.helm.sh/release-name" not in (secret["metadata"].get("annotations") or {})
+    manifest_text = helm(cluster, "get", "manifest", RELEASE, "--namespace", NAMESPACE)
+    assert "PRIVATE KEY" not in manifest_text and "kind: Secret" not in manifest_text
+    key_id = meta["annotations"][signing.SIGNATURE_ANNOTATION].split(".")[1]
+    cluster.kubectl(
+        "delete", "pod", scheduler["metadata"]["name"], "-n", NAMESPACE, "--wait=true", timeout=120
+    )
+    wait_ready(cluster, "scheduler")
+    after = cluster.kubectl_json("get", "secret", SIGNING_SECRET, "-n", NAMESPACE)
+    assert after["data"] == secret["data"] and after["metadata"]["uid"] == secret["metadata"]["uid"]
+    again = kube.PodSpec(
+        name="shared-again", script="true", limits={MEM: 1000, CORES: 10}, namespace=TENANT_NS
+    )
+    cluster.kubectl("create", "-f", "-", input=json.dumps(again.manifest()))
+    try:
+        second = kube.wait_pod_phase(cluster, again.name, "Running", TENANT_NS, timeout=90)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{diagnostics(cluster, NAMESPACE, RELEASE)}") from None
+    assert second["metadata"]["annotations"][signing.SIGNATURE_ANNOTATION].split(".")[1] == key_id

@@ -384,7 +384,7 @@ async def test_keys_from_a_secret(env: Env) -> None:
     await env.client.create(
         Secret(metadata=ObjectMeta(name="keys", namespace=env.namespace), data={"keys": data})
     )
-    store = KeyStore(KeySource(secret=f"{env.namespace}/keys"), lambda: env.client)
+    store = KeyStore(KeySource(secret=f"{env.namespace}/keys", hmac=True), lambda: env.client)
     assert await store.get() == signing.Keyring.hmac_only([b"n" * 32, b"o" * 32])
     assert store.current().signer == b"n" * 32
 

@@ -183,13 +183,15 @@ def plugin(
     authorize = _http_authorizer() if http_address and http_auth == "kubernetes" else None
 
     async def serve() -> int:
+        leftovers = _leftovers(config, node)
         daemon = Daemon(
             config,
             reload,
             _build,
             http_address or None,
-            dra=lambda *args: _dra(daemon, *args),
+            dra=lambda resource, backend, snapshot: _dra(daemon, resource, backend, snapshot, leftovers),
             on_grant_exceeded=events,
+            leftovers=leftovers,
             http_authorize=authorize,
             http_protect_metrics=http_auth_metrics,
         )
@@ -230,7 +232,9 @@ def _http_authorizer() -> Any:
     return ReviewAuthorizer(client)
 
 
-def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any) -> Any:
+def _dra(
+    daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any, leftovers: Any = None
+) -> Any:
     """The DRA half of a resource: its API client and the kubelet directories of the running config."""
     from kxpu.dra.kube import DraKube
     from kxpu.dra.plugin import DraPlugin
@@ -242,7 +246,7 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         )
     kube = DraKube(resource.dra_driver)
     config = daemon.config
-    return DraPlugin(
+    plugin = DraPlugin(
         resource.name,
         resource.dra_driver,
         node,
@@ -256,6 +260,43 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         config.pod_resources_socket,
         close=kube.close,
     )
+    if leftovers is not None:  # never prepare what a drained (renamed or removed) driver's claims still hold
+        plugin.preparer.elsewhere = lambda: leftovers.withheld_from(resource.name)
+    return plugin
+
+
+def _leftovers(config: Config, node: str) -> Any:
+    """The DRA drivers with claims still prepared that this config no longer serves through DRA
+    (``kxpu.dra.leftover``), each served for unprepare only; None when there are none."""
+    from kxpu.dra.leftover import leftovers_for
+
+    def make(driver: str, resource: ResourceConfig | None) -> Any:
+        from kxpu.daemon.snapshot import DeviceSnapshot
+        from kxpu.dra.config import DraConfig
+        from kxpu.dra.kube import DraKube
+        from kxpu.dra.leftover import NoDevices
+        from kxpu.dra.plugin import DraPlugin
+
+        settings = resource.dra if resource is not None else DraConfig()
+        kube = DraKube(driver)
+        return DraPlugin(
+            resource.name if resource is not None else driver,
+            driver,
+            settings.node_name or node,
+            NoDevices(),
+            DeviceSnapshot(),
+            config.kubelet_plugins_dir,
+            config.plugins_registry_dir,
+            kube,
+            kube,
+            settings,
+            close=kube.close,
+        )
+
+    try:
+        return leftovers_for(config, node, make)
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def _grant_events() -> Any:
@@ -477,7 +518,14 @@ control_plane_config_option = click.option(
 
 @main.command()
 @control_plane_config_option
-@click.option("--address", envvar="KXPU_SCHEDULER_ADDRESS", default=":8888", show_default=True)
+@click.option(
+    "--address",
+    envvar="KXPU_SCHEDULER_ADDRESS",
+    default="127.0.0.1:8888",
+    show_default=True,
+    help="[HOST]:PORT of the extender API. It binds pods and is unauthenticated: keep it on loopback, beside "
+    "kube-scheduler.",
+)
 @click.option(
     "--metrics-address",
     envvar="KXPU_SCHEDULER_METRICS_ADDRESS",
@@ -550,6 +598,7 @@ def webhook(
             tls_key_file,
             metrics_address,
             config.protected_env,
+            config.node_users,
         )
     )
 

@@ -41,6 +41,18 @@ def _one_line(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
     return event_dict
 
 
+MAX_FIELD_CHARS = 2048  # a field longer than this is cut (a name or value sent by a client can be megabytes)
+
+
+def _capped(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    """Cut every string field but a traceback to MAX_FIELD_CHARS, saying how much was left out: one bad
+    request must not write megabytes into the log."""
+    for key, value in event_dict.items():
+        if isinstance(value, str) and len(value) > MAX_FIELD_CHARS and key != "exception":
+            event_dict[key] = f"{value[:MAX_FIELD_CHARS]}…({len(value) - MAX_FIELD_CHARS} more characters)"
+    return event_dict
+
+
 def configure_logging(level: str = "info", fmt: LogFormat = "text") -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
@@ -55,6 +67,7 @@ def configure_logging(level: str = "info", fmt: LogFormat = "text") -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            _capped,
             *([] if fmt == "json" else [_one_line]),  # JSON escapes control characters itself
             renderer,
         ],

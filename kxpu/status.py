@@ -167,10 +167,12 @@ async def node_status(
         detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
         errors.append(f"kubelet PodResources API at {pod_resources_socket}: {detail}")
     telemetry: dict[str, Any] = {}
+    draining: dict[str, Any] = {}
     try:
         doc = await asyncio.to_thread(daemon_status, daemon_url, token)
         served = doc.get("resources", {})
         telemetry = doc.get("telemetry") or {}
+        draining = doc.get("drainingDrivers") or {}
     except (OSError, urllib.error.URLError, ValueError, DaemonRefused) as exc:
         errors.append(f"kxpu daemon at {daemon_url}: {exc}")
     figures = {(d["resource"], d["uuid"]): d for d in telemetry.get("devices", [])}
@@ -180,6 +182,14 @@ async def node_status(
             uses[(c["resource"], c["uuid"], f"{c['namespace']}/{c['pod']}/{c['container']}")] = c
     errors += [f"telemetry: {e}" for e in telemetry.get("errors", [])]
 
+    # DRA drivers the config no longer serves, still holding devices for claims prepared before it changed.
+    kept: set[tuple[str, str]] = set()
+    for driver, info in draining.items():
+        resource = info.get("resource") or driver
+        for claim in (info.get("claims") or {}).values():
+            for device_id in claim.get("devices", []):
+                held.setdefault((resource, device_id), []).append(f"claim {claim.get('claim')} (draining)")
+                kept.add((resource, device_id))
     devices: list[DeviceStatus] = []
     for resource, info in sorted(served.items()):
         # DRA: the driver's prepared claims hold its devices; the containers using each claim come from the
@@ -233,9 +243,14 @@ async def node_status(
     # Held devices kxpu does not (or no longer) serve: gone devices still in use, or, with
     # all_resources, other plugins' devices.
     for (resource, device_id), holders in sorted(held.items()):
-        if resource in served or all_resources:
+        if resource in served or all_resources or (resource, device_id) in kept:
             devices.append(DeviceStatus(resource, device_id, "unknown", holders=holders))
     phases = {name: info.get("phase", "?") for name, info in served.items()}
+    for driver, info in draining.items():
+        count = len(info.get("claims") or {})
+        phases[f"DRA driver {driver}"] = (
+            f"draining ({count} claims prepared before the config stopped serving it through DRA: unprepare only)"
+        )
     warnings = [f"{name}: {w}" for name, info in sorted(served.items()) for w in info.get("warnings", [])]
     return NodeStatus(devices, phases, errors, warnings)
 

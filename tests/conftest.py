@@ -64,7 +64,15 @@ async def kubelet(plugin_dir: Path) -> AsyncIterator[KubeletStandIn]:
 def write_config(workdir: Path, plugin_dir: Path) -> Callable[..., Path]:
     def write(resources: list[dict[str, Any]], name: str = "config.yaml", **top: Any) -> Path:
         path = workdir / name
-        doc = {"version": "v1", "devicePluginDir": str(plugin_dir), "resources": resources, **top}
+        doc = {
+            "version": "v1",
+            "devicePluginDir": str(plugin_dir),
+            # Never the host's: a DRA checkpoint there (an e2e run's) would be drained by these daemons.
+            "kubeletPluginsDir": str(workdir / "kubelet-plugins"),
+            "pluginsRegistryDir": str(workdir / "plugins-registry"),
+            "resources": resources,
+            **top,
+        }
         path.write_text(yaml.safe_dump(doc))
         return path
 

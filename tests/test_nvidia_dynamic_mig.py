@@ -357,3 +357,41 @@ def test_counters_and_the_driver_agree_and_instances_never_overlap(profile: str,
     finally:
         backend.release([h for _, h in held.values()])
     assert fake.mig_state() == []
+
+
+async def test_instances_left_by_a_killed_prepare_are_reclaimed_at_start(
+    h100: tuple[NvidiaBackend, FakeNvml], tmp_path: Path
+) -> None:
+    """The daemon was killed inside realize (a GPU instance made, with or without its compute instance) and the
+    claim deleted meanwhile: at start the instances kxpu recorded making are destroyed, one made outside kxpu
+    stays, and the whole GPU can be allocated again (before: "no room for it on the GPU" for ever)."""
+    from kxpu.dra.checkpoint import Making
+
+    backend, fake = h100
+    gpu0, gpu1 = fake.nvmlDeviceGetHandleByIndex(0), fake.nvmlDeviceGetHandleByIndex(1)
+    whole = fake.nvmlDeviceCreateGpuInstanceWithPlacement(
+        gpu0, 19, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(1, 1))
+    )
+    fake.nvmlGpuInstanceCreateComputeInstance(whole, 0)  # 1g at slice 1, with its compute instance
+    fake.nvmlDeviceCreateGpuInstanceWithPlacement(  # 2g at slices 4-5, killed before the compute instance
+        gpu0, 14, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(4, 2))
+    )
+    fake.nvmlDeviceCreateGpuInstanceWithPlacement(  # someone else's, on the other GPU
+        gpu1, 14, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(2, 2))
+    )
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json", DRIVER)
+    checkpoint.making = {
+        "killed-1": Making("default/a", ("gpu-0-mig-1g10gb-19-1",)),
+        "killed-2": Making("default/b", ("gpu-0-mig-2g20gb-14-4",)),
+    }
+    checkpoint.save()
+    checkpoint.load()
+    api = FakeDraApi()
+    preparer = Preparer(DRIVER, NODE, backend, by_id(backend), checkpoint, tmp_path / "cdi", api)
+    reclaimed = await preparer.reconcile()
+    assert [r.split(" ")[0] for r in reclaimed] == ["gpu-0-mig-1g10gb-19-1", "gpu-0-mig-2g20gb-14-4"]
+    assert [(g["gpu"], g["profile"]) for g in fake.mig_state()] == [(1, "2g.20gb")]
+    assert checkpoint.making == {}
+    claim = api.add_claim("whole", [result("gpu-0-mig-7g80gb-0-0")])
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    assert backend.reclaim([by_id(backend)["gpu-0-mig-1g10gb-19-1"]]) == []  # idempotent: nothing there

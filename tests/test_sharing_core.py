@@ -763,24 +763,39 @@ def test_the_quick_scorer_never_rejects_what_fit_pod_accepts_and_scores_it_the_s
         node.apply(expected.containers)  # the node changes: its summary must follow
 
 
+def _assigned_pod(
+    assignment: Assignment,
+    keys: signing.Keys,
+    phase: str = "Running",
+    node: str | None = "node-a",
+    limits: dict[str, str] | None = None,
+) -> Any:
+    from lightkube.models.core_v1 import Container, PodSpec, PodStatus, ResourceRequirements
+    from lightkube.models.meta_v1 import ObjectMeta
+    from lightkube.resources.core_v1 import Pod
+
+    annotations = {
+        signing.ASSIGNMENT_ANNOTATION: signing.encode_assignment(assignment),
+        signing.SIGNATURE_ANNOTATION: signing.sign(assignment, keys),
+    }
+    container = Container(name="c0", resources=ResourceRequirements(limits=limits or {"nvidia.com/gpu": "1"}))
+    return Pod(
+        metadata=ObjectMeta(name=assignment.name, namespace=assignment.namespace, uid=assignment.pod_uid,
+                            annotations=annotations),
+        spec=PodSpec(containers=[container], nodeName=node),
+        status=PodStatus(phase=phase),
+    )  # fmt: skip
+
+
 def test_the_informer_counts_only_live_verified_assignments() -> None:
-    from lightkube.models.core_v1 import PodSpec, PodStatus
     from lightkube.models.meta_v1 import ObjectMeta
     from lightkube.resources.core_v1 import Pod
 
     from kxpu.sharing.kube.informer import live_assignment
 
-    def make(phase: str = "Running", node: str | None = "node-a", keys: list[bytes] | None = None) -> Pod:
+    def make(phase: str = "Running", node: str | None = "node-a", keys: list[bytes] | None = None) -> Any:
         a = dataclasses.replace(ASSIGNMENT, pod_uid="uid-1", namespace="ns", name="p")
-        annotations = {
-            signing.ASSIGNMENT_ANNOTATION: signing.encode_assignment(a),
-            signing.SIGNATURE_ANNOTATION: signing.sign(a, keys or [KEY]),
-        }
-        return Pod(
-            metadata=ObjectMeta(name="p", namespace="ns", uid="uid-1", annotations=annotations),
-            spec=PodSpec(containers=[], nodeName=node),
-            status=PodStatus(phase=phase),
-        )
+        return _assigned_pod(a, keys or [KEY], phase, node)
 
     assert live_assignment(make(), [KEY]) == ASSIGNMENT  # old assignments still count: no age limit
     assert live_assignment(make(phase="Succeeded"), [KEY]) is None
@@ -788,3 +803,35 @@ def test_the_informer_counts_only_live_verified_assignments() -> None:
     assert live_assignment(make(node=None), [KEY]) is None  # annotated, never bound: holds nothing
     assert live_assignment(make(keys=[OLD_KEY]), [KEY]) is None
     assert live_assignment(Pod(metadata=ObjectMeta(name="q", namespace="ns", uid="u")), [KEY]) is None
+
+
+def test_an_assignment_beyond_what_the_pod_asks_is_not_counted() -> None:
+    """The HMAC → Ed25519 window: nodes already refuse HMAC, the extender still verifies it (for pods bound
+    before). An HMAC key a node read earlier mints 8 whole GPUs on a pod that asks for none (no Allocate ever
+    comes, so no node refuses it) or for one: the extender must not pin them as used."""
+    from kxpu.sharing.kube.informer import live_assignment
+
+    hmac_key = b"h" * 32
+    extender = signing.parse_keyring(
+        signing.generate_private_pem().encode() + b"\n" + hmac_key + b"\n"
+    )  # ed25519+hmac: signs Ed25519, still verifies HMAC
+    eight = tuple(DeviceGrant(f"gpu-{i}", f"GPU-{i}", 16384, 100) for i in range(8))
+    forged = Assignment(
+        "uid-x", "ns", "x", "node-a", (ContainerAssignment("c0", "nvidia.com/gpu", eight),), 1
+    )
+    for limits in ({"cpu": "1"}, {"nvidia.com/gpu": "1"}):
+        pod = _assigned_pod(forged, [hmac_key], limits=limits)
+        assert live_assignment(pod, extender) is None, limits
+    other_container = dataclasses.replace(
+        forged, containers=(ContainerAssignment("c9", "nvidia.com/gpu", eight[:1]),)
+    )
+    assert live_assignment(_assigned_pod(other_container, [hmac_key]), extender) is None
+    # what the extender grants (one device for a container asking one) counts, HMAC-signed or Ed25519
+    honest = dataclasses.replace(forged, containers=(ContainerAssignment("c0", "nvidia.com/gpu", eight[:1]),))
+    assert live_assignment(_assigned_pod(honest, [hmac_key]), extender) == honest
+    assert live_assignment(_assigned_pod(honest, extender), extender) == honest
+    state = ClusterState(["nvidia.com/gpu"])
+    state.set_inventory("node-a", inventory(count=8))
+    state.set_pod("uid-x", live_assignment(_assigned_pod(forged, [hmac_key], limits={"cpu": "1"}), extender))
+    node = state.node("node-a")
+    assert node is not None and all(s.memory == 0 for s in node.families["nvidia.com/gpu"])

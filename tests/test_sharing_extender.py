@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from kxpu.sharing import inventory as inv
 from kxpu.sharing import signing
 from kxpu.sharing.extender import make_app
+from kxpu.sharing.placement import NodeFacts
 from kxpu.sharing.requests import ResourceFamily
 from kxpu.sharing.scheduler import Scheduler
 from kxpu.sharing.state import ClusterState
@@ -214,10 +215,11 @@ async def test_a_bind_records_what_was_assigned(
     assert event[1] == "KxpuAssigned" and "1234 MiB, 5% cores" in event[2]
 
 
-async def test_bind_uses_the_pod_filter_was_given_and_reads_the_api_only_otherwise(
+async def test_bind_grants_what_the_api_servers_pod_asks_not_what_filter_was_sent(
     setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
 ) -> None:
-    _, scheduler, cluster = setup
+    """A forged /filter body (same name and UID, asking a whole device) must not become the signed grant."""
+    client, scheduler, cluster = setup
     reads: list[str] = []
     real_get = cluster.get_pod
 
@@ -225,24 +227,154 @@ async def test_bind_uses_the_pod_filter_was_given_and_reads_the_api_only_otherwi
         reads.append(name)
         return await real_get(namespace, name)
 
-    async def no_lock(node: str, resource: str, pod: Any) -> None:  # each bind here would wait for Allocate
-        return None
-
     cluster.get_pod = counting_get  # type: ignore[method-assign]
-    cluster.acquire_lock = no_lock  # type: ignore[method-assign]
-    filtered = pod("f", [{"nvidia.com/gpumem": 1000}])
-    cluster.add_pod(filtered)
-    assert scheduler.filter(filtered, ["idle"]).passed == ["idle"]
-    assert await scheduler.bind("default", "f", "uid-default-f", "idle") == ""
-    assert reads == []
-    cluster.add_pod(pod("g", [{"nvidia.com/gpumem": 1000}]))  # never filtered here (extender restarted)
-    assert await scheduler.bind("default", "g", "uid-default-g", "idle") == ""
-    assert reads == ["g"]
-    # remembered by UID: a bind for a re-created pod (another UID) reads the API, which tells it apart
-    assert scheduler.filter(pod("h", [{"nvidia.com/gpumem": 1000}]), ["idle"]).passed == ["idle"]
+    honest = pod("f", [{"nvidia.com/gpumem": 1000, "nvidia.com/gpucores": 10}])
+    cluster.add_pod(honest)
+    forged = pod("f", [{"nvidia.com/gpumem": 16384, "nvidia.com/gpucores": 100}])
+    body = await (await client.post("/filter", json={"Pod": forged, "NodeNames": ["idle"]})).json()
+    assert body["NodeNames"] == ["idle"]
+    args = {"PodName": "f", "PodNamespace": "default", "PodUID": "uid-default-f", "Node": "idle"}
+    assert (await (await client.post("/bind", json=args)).json()) == {"Error": ""}
+    assert reads == ["f"]
+    annotations = cluster.pods[("default", "f")]["metadata"]["annotations"]
+    (grant,) = signing.decode_assignment(annotations[signing.ASSIGNMENT_ANNOTATION]).containers[0].devices
+    assert (grant.memory_mib, grant.cores) == (1000, 10)
+    # a re-created pod (another UID) is told apart by the API server's copy
     cluster.add_pod(pod("h", [{"nvidia.com/gpumem": 1000}], uid="uid-h-2"))
     assert "replaced" in await scheduler.bind("default", "h", "uid-h-3", "idle")
-    assert reads == ["g", "h"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "facts", "why"),
+    [
+        ({"nodeSelector": {"zone": "a"}}, NodeFacts({"zone": "b"}), "nodeSelector zone=a"),
+        ({"nodeSelector": {"zone": "a"}}, NodeFacts(), "nodeSelector zone=a"),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]},
+                                {
+                                    "matchFields": [
+                                        {"key": "metadata.name", "operator": "In", "values": ["busy"]}
+                                    ]
+                                },
+                            ]
+                        }
+                    }
+                }
+            },
+            NodeFacts({"gpu": "h100"}),
+            "required node affinity",
+        ),
+        (
+            {},
+            NodeFacts(taints=({"key": "dedicated", "value": "x", "effect": "NoSchedule"},)),
+            "taint dedicated",
+        ),
+        ({}, NodeFacts(unschedulable=True), "cordoned"),
+    ],
+)
+async def test_bind_refuses_a_node_the_pod_may_not_run_on(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+    spec: dict[str, Any],
+    facts: NodeFacts,
+    why: str,
+) -> None:
+    """Another namespace's pending pod, sent to /bind for a node kube-scheduler would never pick, stays unbound."""
+    client, scheduler, cluster = setup
+    cluster.writes.clear()
+    scheduler.state.set_node_facts("idle", facts)
+    cluster.add_pod(pod("x", [{"nvidia.com/gpumem": 1000}], namespace="team-b", **spec))
+    args = {"PodName": "x", "PodNamespace": "team-b", "PodUID": "uid-team-b-x", "Node": "idle"}
+    error = (await (await client.post("/bind", json=args)).json())["Error"]
+    assert error.startswith("bind refused: pod team-b/x") and why in error, error
+    assert "\n" not in error and "nodeName" not in cluster.pods[("team-b", "x")]["spec"]
+    assert cluster.writes == [] and cluster.lock_holder("idle", "nvidia.com/gpu") is None
+
+
+async def test_bind_places_a_pod_on_a_node_it_selects_and_tolerates(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    _, scheduler, cluster = setup
+    taint = {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}
+    scheduler.state.set_node_facts("idle", NodeFacts({"zone": "a", "gpu": "a100"}, (taint,)))
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]},
+                              {"key": "gone", "operator": "DoesNotExist"}]}]}}}  # fmt: skip
+    tolerations = [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]
+    ok = pod("ok", [{"nvidia.com/gpumem": 1000}], nodeSelector={"zone": "a"}, affinity=affinity,
+             tolerations=tolerations)  # fmt: skip
+    cluster.add_pod(ok)
+    assert await scheduler.bind("default", "ok", "uid-default-ok", "idle") == ""
+    assert cluster.pods[("default", "ok")]["spec"]["nodeName"] == "idle"
+
+
+@pytest.mark.parametrize(
+    ("namespace", "name", "uid", "node", "why"),
+    [
+        ("", "p", "u", "idle", "PodNamespace is empty"),
+        ("default", "", "u", "idle", "PodName is empty"),
+        ("default", "p", "u", "", "Node is empty"),
+        ("default", "..", "u", "idle", "is not a DNS-1123 subdomain"),
+        ("default", "../../nodes/idle", "u", "idle", "is not a DNS-1123 subdomain"),
+        ("a.b", "p", "u", "idle", "is not a DNS-1123 label"),
+        ("default", "P", "u", "idle", "is not a DNS-1123 subdomain"),
+        ("default", "p" * 254, "u", "idle", "longer than 253"),
+        ("default", "p", "u", "idle/status", "is not a DNS-1123 subdomain"),
+        ("default", "p", "", "idle", "PodUID is empty"),
+    ],
+)
+async def test_bind_refuses_names_the_api_server_would_not_hold(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+    namespace: str,
+    name: str,
+    uid: str,
+    node: str,
+    why: str,
+) -> None:
+    """Before any name goes into an API path: an empty name would LIST, ``..`` would reach other paths."""
+    _, scheduler, cluster = setup
+    reads: list[tuple[str, str]] = []
+
+    async def get_pod(namespace: str, name: str) -> Any:
+        reads.append((namespace, name))
+        raise LookupError("not found")
+
+    cluster.get_pod = get_pod  # type: ignore[method-assign]
+    cluster.writes.clear()
+    error = await scheduler.bind(namespace, name, uid, node)
+    assert error.startswith("bind refused: ") and why in error, error
+    assert reads == [] and cluster.writes == []
+
+
+async def test_bind_refuses_a_pod_asking_for_no_shared_devices(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    """kube-scheduler sends the extender only pods asking for its managed resources."""
+    _, scheduler, cluster = setup
+    cluster.add_pod(pod("plain", [{"cpu": 1}]))
+    error = await scheduler.bind("default", "plain", "uid-default-plain", "idle")
+    assert "asks for no shared devices" in error
+    assert "nodeName" not in cluster.pods[("default", "plain")]["spec"]
+    assert "unknown to the kxpu scheduler" in await scheduler.bind(
+        "default", "plain", "uid-default-plain", "nowhere"
+    )
+
+
+async def test_deeply_nested_json_is_a_400_naming_the_limit(
+    setup: tuple[TestClient[Any, Any], Scheduler, FakeCluster],
+) -> None:
+    client, _, _ = setup
+    for depth in (150, 100_000):  # past the extender's limit; past Python's recursion limit
+        deep = '{"Pod":' + "[" * depth + "]" * depth + "}"
+        for verb in ("filter", "prioritize", "bind"):
+            response = await client.post(f"/{verb}", data=deep)
+            text = await response.text()
+            assert response.status == 400 and "nested more than 100 levels" in text, (verb, depth, text)
+            assert "Traceback" not in text and "\n" not in text.strip()
 
 
 async def test_concurrent_binds_never_overcommit(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from kxpu.sharing.extender import sweep_locks
 from kxpu.sharing.lock import (
     HARD_EXPIRED,
     LOCK_PROTOCOL_ANNOTATION,
+    LockError,
     NodeLock,
     allocated_key,
     holder_state,
@@ -203,3 +205,21 @@ def test_the_cache_says_locked_exactly_while_a_lease_or_an_annotation_holds_a_lo
             assert state.lease_node(n) == protocol.get(n, False)
     assert {n for n, _, _ in state.held_leases()} == {n for n, v in lease.items() if v}
     assert {n for n, _, _ in state.held_locks()} == {n for n, v in annotation.items() if v}
+
+
+@pytest.mark.parametrize(
+    ("pod", "why"),
+    [
+        ("", "namespace is empty"),
+        ("ns/", "pod name is empty"),
+        ("ns/../../nodes/n1", "is not a DNS-1123 subdomain"),
+        ("../ns/p", "is not a DNS-1123 label"),
+        ("NS/p", "is not a DNS-1123 label"),
+    ],
+)
+def test_a_lock_naming_an_impossible_pod_is_unreadable(pod: str, why: str) -> None:
+    """The lock's pod names go into API paths (the sweeper reads the holder, the node its pod); node identities
+    can reach the objects that hold locks, so a lock is parsed as untrusted input."""
+    text = json.dumps({"pod": pod, "uid": "u", "owner": "x", "acquired": 1.0, "expires": 2.0})
+    with pytest.raises(LockError, match=why):
+        NodeLock.decode(text)

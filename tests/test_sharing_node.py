@@ -439,7 +439,7 @@ def test_the_example_configs_load() -> None:
     assert resource.sharing is not None and resource.sharing.split_count == 4
     control = load_control_plane_config(examples / "control-plane.yaml")
     assert [f.count for f in control.resource_families()] == ["nvidia.com/gpu", "example.com/npu"]
-    assert len(control.trusted_users) == 2
+    assert len(control.trusted_users) == 1 and len(control.node_users) == 1
 
 
 class StaleKeysLink(FakeNodeLink):

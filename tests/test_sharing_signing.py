@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -204,7 +205,8 @@ async def test_the_node_keystore_joins_sources_and_refuses_a_private_key(tmp_pat
     (tmp_path / "pub").write_text(SCHEDULER.public_pems())
     (tmp_path / "priv").write_text(PRIVATE)
     config = SharingConfig(
-        signing_key=KeySource(file=tmp_path / "pub"), extra_keys=[KeySource(file=tmp_path / "hmac")]
+        signing_key=KeySource(file=tmp_path / "pub"),
+        extra_keys=[KeySource(file=tmp_path / "hmac", hmac=True)],
     )
     store = KeyStore([config.signing_key, *config.extra_keys], lambda: None, private_ok=False)  # type: ignore[arg-type,return-value]
     ring = await store.get()
@@ -224,3 +226,94 @@ def test_a_key_source_names_exactly_one_place() -> None:
     assert KeySource(config_map="kxpu-system/kxpu-verify-keys").describe() == (
         "configmap kxpu-system/kxpu-verify-keys field keys"
     )
+
+
+class _SecretsApi:
+    """The two calls KeyStore makes for a Secret source, as lightkube's AsyncClient answers them (ApiError with
+    the API server's Status: 404 when absent, 409 when another writer created it first)."""
+
+    def __init__(self) -> None:
+        self.secrets: dict[tuple[str, str], Any] = {}
+        self.creates = 0
+
+    async def get(self, kind: Any, name: str, namespace: str) -> Any:
+        from lightkube import ApiError
+        from lightkube.models.meta_v1 import Status
+
+        if (namespace, name) not in self.secrets:
+            raise ApiError(status=Status(code=404, message=f'secrets "{name}" not found'))
+        return self.secrets[(namespace, name)]
+
+    async def create(self, obj: Any) -> Any:
+        from lightkube import ApiError
+        from lightkube.models.meta_v1 import Status
+
+        key = (obj.metadata.namespace, obj.metadata.name)
+        self.creates += 1
+        if key in self.secrets:
+            raise ApiError(status=Status(code=409, message="already exists"))
+        self.secrets[key] = obj
+        return obj
+
+
+async def test_the_extender_makes_its_key_once_and_a_restart_keeps_it() -> None:
+    """No key in any chart output: the extender creates the Secret on first start; the next start (or a second
+    replica) reads the same key, so assignments already signed keep verifying."""
+    from kxpu.sharing.config import ControlPlaneConfig
+
+    api = _SecretsApi()
+    config = ControlPlaneConfig()
+    assert config.signing_key == KeySource(secret="kxpu-system/kxpu-signing-ed25519", generate=True)
+    first = await KeyStore(config.signing_key, lambda: api).load()  # type: ignore[arg-type,return-value]
+    assert api.creates == 1 and isinstance(first.signer, Ed25519PrivateKey)
+    stored = api.secrets[("kxpu-system", "kxpu-signing-ed25519")]
+    assert stored.metadata.labels["app.kubernetes.io/managed-by"] == "kxpu"
+    again = await KeyStore(config.signing_key, lambda: api).load()  # type: ignore[arg-type,return-value]
+    assert api.creates == 1 and again.signer_id == first.signer_id
+    # two replicas starting at once: both read "not found", the one whose create loses reads the winner's key
+    racing = _SecretsApi()
+    winner = await KeyStore(config.signing_key, lambda: racing).load()  # type: ignore[arg-type,return-value]
+    real_get, misses = racing.get, [1]
+
+    async def stale_get(kind: Any, name: str, namespace: str) -> Any:
+        if misses:
+            misses.pop()
+            return await _SecretsApi().get(kind, name, namespace)  # read before the winner's create: 404
+        return await real_get(kind, name, namespace)
+
+    racing.get = stale_get  # type: ignore[method-assign]
+    loser = await KeyStore(config.signing_key, lambda: racing).load()  # type: ignore[arg-type,return-value]
+    assert racing.creates == 2 and loser.signer_id == winner.signer_id
+
+
+async def test_a_missing_key_names_what_to_set() -> None:
+    api = _SecretsApi()
+    node = KeyStore(SharingConfig().signing_key, lambda: api, private_ok=False)  # type: ignore[arg-type,return-value]
+    with pytest.raises(ValueError) as info:
+        await node.load()
+    assert str(info.value) == (
+        "configmap kxpu-system/kxpu-verify-keys does not exist; set sharing.signingKey to where the extender "
+        "publishes its public keys (its publicKeysConfigMap, default kxpu-system/kxpu-verify-keys), and start "
+        "the extender first"
+    )
+    own = KeyStore(KeySource(secret="ops/my-key"), lambda: api)  # type: ignore[arg-type,return-value]
+    with pytest.raises(
+        ValueError, match=r"^secret ops/my-key does not exist; set signingKey to an existing Secret"
+    ):
+        await own.load()
+    assert api.creates == 0  # never made without generate: true
+
+
+async def test_hmac_keys_are_read_only_from_a_source_named_hmac(tmp_path: Path) -> None:
+    """The code's defaults are Ed25519 on both sides; a shared HMAC key is taken only where a source says so."""
+    assert SharingConfig().signing_key == KeySource(config_map="kxpu-system/kxpu-verify-keys")
+    (tmp_path / "hmac").write_bytes(HMAC + b"\n")
+    plain = KeyStore(KeySource(file=tmp_path / "hmac"), lambda: None, private_ok=False)  # type: ignore[arg-type,return-value]
+    with pytest.raises(ValueError, match="entry 0 is an HMAC key, but this source is not marked hmac: true"):
+        await plain.load()
+    named = KeyStore(KeySource(file=tmp_path / "hmac", hmac=True), lambda: None, private_ok=False)  # type: ignore[arg-type,return-value]
+    assert _verify(signing.sign(ASSIGNMENT, [HMAC]), await named.load()) == ASSIGNMENT
+    with pytest.raises(ValueError, match="generate: true is for the extender's signing key"):
+        SharingConfig(signing_key=KeySource(secret="a/b", generate=True))
+    with pytest.raises(ValueError, match="generate: true needs a secret"):
+        KeySource(file=tmp_path / "hmac", generate=True)

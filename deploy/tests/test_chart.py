@@ -19,8 +19,9 @@ from deploy.tests.conftest import (
     template,
     template_error,
 )
-from e2e.sharing_support import STATUS_CHANGES_METADATA
+from e2e.sharing_support import SHARED_CONDITION_START, STATUS_CHANGES_METADATA, shared_condition
 from kxpu.config import parse_config
+from kxpu.sharing.config import KeySource
 
 NAMESPACED = {"ConfigMap", "DaemonSet", "Service", "ServiceAccount", "ServiceMonitor"}
 # Every DaemonSet leaves control-plane nodes out unless plugin.controlPlane is true.
@@ -427,6 +428,9 @@ def test_sharing_rbac_is_exact(sharing: Rendered) -> None:
     ]
     assert rules(sharing.one("Role", "kxpu-scheduler")) == [
         ("", "configmaps", ("kxpu-verify-keys",), ("get", "update")),
+        # the Ed25519 key: read through the API, created by the extender on first start (never rendered)
+        ("", "secrets", (), ("create",)),
+        ("", "secrets", ("kxpu-signing-ed25519",), ("get",)),
         ("coordination.k8s.io", "leases", (), ("create",)),
         ("coordination.k8s.io", "leases", (), ("get", "list", "watch", "patch")),
         ("coordination.k8s.io", "leases", ("kxpu-scheduler",), ("get", "update")),
@@ -478,28 +482,22 @@ def test_node_daemon_gets_its_node_name_and_the_key(sharing: Rendered) -> None:
     # A resource naming its own key keeps it.
     own = config_of(sharing, by_config["own-key"])
     assert own["resources"][0]["sharing"]["signingKey"] == {"file": "/etc/kxpu/keys"}
-    # Ed25519 only: no HMAC Secret; the private key, kept across upgrades and uninstall
-    assert not [s for s in sharing.kinds("Secret") if s["metadata"]["name"] == "kxpu-signing-key"]
-    secret = sharing.one("Secret", "kxpu-signing-ed25519")
-    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    ring = ed25519_keys(secret)
-    assert ring.signer is not None and len(ring.public_keys) == 1 and not ring.hmac_keys
+    # No key material at all in the chart's output: the extender makes its key in the cluster
+    assert not sharing.kinds("Secret")
 
 
-def ed25519_keys(secret: dict[str, Any]) -> Any:
-    import base64
-
-    from kxpu.sharing.signing import parse_keyring
-
-    return parse_keyring(base64.b64decode(secret["data"]["keys"]))
-
-
-def signing_keys(secret: dict[str, Any]) -> list[bytes]:
-    import base64
-
-    from kxpu.sharing.signing import parse_keys
-
-    return parse_keys(base64.b64decode(secret["data"]["keys"]))
+def test_two_renders_are_identical_and_hold_no_key(helm: Path) -> None:
+    """GitOps tools render on every sync (`helm template`, no lookup): a key made at render time would change
+    at every sync, refusing pending pods and uncounting running ones. Every scheme renders the same twice,
+    and nothing in it is a key."""
+    for scheme in ("ed25519", "hmac", "hmac+ed25519", "ed25519+hmac"):
+        args = ["-f", str(SHARING_VALUES), "--set", f"sharing.signing.scheme={scheme}"]
+        first = subprocess.run([str(helm), "template", "kxpu", str(CHART), "--namespace", "kxpu-system", *args],
+                               capture_output=True, text=True, check=True, timeout=120).stdout  # fmt: skip
+        second = subprocess.run([str(helm), "template", "kxpu", str(CHART), "--namespace", "kxpu-system", *args],
+                                capture_output=True, text=True, check=True, timeout=120).stdout  # fmt: skip
+        assert first == second, scheme
+        assert "PRIVATE KEY" not in first and "kind: Secret" not in first, scheme
 
 
 def test_control_plane_and_scheduler_config(sharing: Rendered) -> None:
@@ -508,14 +506,15 @@ def test_control_plane_and_scheduler_config(sharing: Rendered) -> None:
     cm = sharing.one("ConfigMap", "kxpu-sharing")
     control = ControlPlaneConfig.model_validate(yaml.safe_load(cm["data"]["control-plane.yaml"]))
     assert [f.count for f in control.resource_families()] == ["example.com/sim-npu", "nvidia.com/gpu"]
-    assert control.signing_key.file == Path("/etc/kxpu-signing/keys") and control.extra_keys == []
+    assert control.signing_key == KeySource(secret="kxpu-system/kxpu-signing-ed25519", generate=True)
+    assert control.extra_keys == []
     assert control.public_keys_config_map == "kxpu-system/kxpu-verify-keys"
     assert (control.node_lock, control.lock_namespace) == ("lease", "kxpu-system")
     assert control.trusted_users == [
         "system:serviceaccount:kxpu-system:kxpu-scheduler",
-        "system:serviceaccount:kxpu-system:kxpu-plugin",
         "system:serviceaccount:ops:repair-bot",
     ]
+    assert control.node_users == ["system:serviceaccount:kxpu-system:kxpu-plugin"]  # only the allocated mark
     config = yaml.safe_load(cm["data"]["scheduler-config.yaml"])
     assert config["kind"] == "KubeSchedulerConfiguration"
     most_allocated = {
@@ -575,15 +574,9 @@ def test_scheduler_deployment(sharing: Rendered) -> None:
     for c in (scheduler, extender):
         assert {"name": "config", "mountPath": "/etc/kxpu", "readOnly": True} in c["volumeMounts"]
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
-    # the Ed25519 private key: mounted into the extender only
-    key_mount = {"name": "signing-key", "mountPath": "/etc/kxpu-signing", "readOnly": True}
-    assert key_mount in extender["volumeMounts"] and key_mount not in scheduler["volumeMounts"]
-    assert pod["volumes"] == [
-        {"name": "config", "configMap": {"name": "kxpu-sharing"}},
-        {"name": "signing-key", "secret": {"secretName": "kxpu-signing-ed25519", "defaultMode": 0o440}},
-    ]
+    # the Ed25519 private key is read by the extender through the API (its Role: this Secret only), not mounted
+    assert pod["volumes"] == [{"name": "config", "configMap": {"name": "kxpu-sharing"}}]
     assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]  # reads the 0440 key
 
 
 def test_webhook_deployment_and_tls(sharing: Rendered) -> None:
@@ -635,12 +628,21 @@ def test_webhook_configurations(sharing: Rendered, kind: str) -> None:
     )
     assert rule["operations"] == (["CREATE"] if kind.startswith("Mutating") else ["CREATE", "UPDATE"])
     assert chart_values()["webhook"]["failurePolicy"] == "Fail"
+    # only pods asking for a shared resource (every name of every family) are sent: an outage touches no other pod
+    config = yaml.safe_load(sharing.one("ConfigMap", "kxpu-sharing")["data"]["control-plane.yaml"])
+    asks = hook["matchConditions"][0]["expression"]
+    assert asks.startswith(SHARED_CONDITION_START) and asks == shared_condition(
+        ["example.com/sim-npu", "example.com/sim-npucores", "example.com/sim-npumem",
+         "example.com/sim-npumem-percentage", "nvidia.com/gpu", "nvidia.com/gpucores", "nvidia.com/gpu-memory",
+         "nvidia.com/gpumem-percentage"],
+        kxpu_metadata=not kind.startswith("Mutating"),
+    )  # fmt: skip
     if kind.startswith("Mutating"):
-        assert "matchConditions" not in hook
-    else:  # kxpu's own updates skip the call; every CREATE and everyone else's UPDATE is still validated
-        config = yaml.safe_load(sharing.one("ConfigMap", "kxpu-sharing")["data"]["control-plane.yaml"])
+        assert [c["name"] for c in hook["matchConditions"]] == ["asks-for-shared-devices"]
+    else:  # the extender's updates skip the call; the node daemon's and everyone else's are validated
         trusted = ",".join(f"'{u}'" for u in config["trustedUsers"])
-        assert hook["matchConditions"] == [
+        assert "kxpu-plugin" not in trusted
+        assert hook["matchConditions"][1:] == [
             {
                 "name": "not-a-kxpu-update",
                 "expression": f"request.operation != 'UPDATE' || !(request.userInfo.username in [{trusted}])",
@@ -649,6 +651,16 @@ def test_webhook_configurations(sharing: Rendered, kind: str) -> None:
             # expression as the e2e harness registers (so the e2e suite proves the API server compiles it)
             {"name": "status-changes-metadata", "expression": STATUS_CHANGES_METADATA},
         ]
+
+
+def test_webhook_runs_two_replicas_with_a_disruption_budget(sharing: Rendered, helm: Path) -> None:
+    assert chart_values()["webhook"]["replicas"] == 2
+    pdb = sharing.one("PodDisruptionBudget", "kxpu-webhook")
+    deploy = sharing.one("Deployment", "kxpu-webhook")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    one = template(helm, "-f", str(SHARING_VALUES), "--set", "webhook.replicas=1")
+    assert not one.kinds("PodDisruptionBudget")  # minAvailable 1 of 1 would block every drain
 
 
 def test_webhook_certificate_from_cert_manager(helm: Path) -> None:
@@ -762,10 +774,10 @@ def test_dra_daemonsets_get_the_plugin_dirs_node_name_and_token(dra: Rendered) -
 @pytest.mark.parametrize(
     ("scheme", "accept_hmac", "extender", "nodes", "node_secret"),
     [
-        ("hmac", True, ["secret"], ["secret"], True),
-        ("hmac+ed25519", True, ["secret", "file"], ["secret", "configMap"], True),
-        ("ed25519+hmac", True, ["file", "secret"], ["configMap", "secret"], True),
-        ("ed25519+hmac", False, ["file", "secret"], ["configMap"], False),
+        ("hmac", True, ["kxpu-signing-key"], ["secret"], True),
+        ("hmac+ed25519", True, ["kxpu-signing-key", "kxpu-signing-ed25519"], ["secret", "configMap"], True),
+        ("ed25519+hmac", True, ["kxpu-signing-ed25519", "kxpu-signing-key"], ["configMap", "secret"], True),
+        ("ed25519+hmac", False, ["kxpu-signing-ed25519", "kxpu-signing-key"], ["configMap"], False),
     ],
 )
 def test_the_upgrade_from_hmac_keys_step_by_step(
@@ -786,15 +798,16 @@ def test_the_upgrade_from_hmac_keys_step_by_step(
     cm = rendered.one("ConfigMap", "kxpu-sharing")
     control = ControlPlaneConfig.model_validate(yaml.safe_load(cm["data"]["control-plane.yaml"]))
     sources = [control.signing_key, *control.extra_keys]
-    assert [next(k for k in ("secret", "file") if getattr(s, k) is not None) for s in sources] == extender
+    assert [str(s.secret).partition("/")[2] for s in sources] == extender
+    assert all(s.generate and s.hmac == (s.secret == "kxpu-system/kxpu-signing-key") for s in sources)
     node = config_of(rendered, daemonsets_by_config(rendered)["default"])["resources"][0]["sharing"]
     node_sources = [node["signingKey"], *node["extraKeys"]]
-    assert [next(iter(k for k in s if k != "field")) for s in node_sources] == nodes
+    assert [next(iter(k for k in s if k in ("secret", "configMap"))) for s in node_sources] == nodes
     plugin_rules = rules(rendered.one("Role", "kxpu-plugin-signing-key"))
     assert (("", "secrets", ("kxpu-signing-key",), ("get",)) in plugin_rules) == node_secret
-    assert bool([s for s in rendered.kinds("Secret") if s["metadata"]["name"] == "kxpu-signing-ed25519"]) == (
-        "ed25519" in scheme
-    )
+    assert all(s.get("hmac") is (s.get("secret") == "kxpu-system/kxpu-signing-key") or "configMap" in s
+               for s in node_sources)  # fmt: skip
+    assert not rendered.kinds("Secret")
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ def main() -> None:
                         "simulated": {"count": 2, "model": "snpu", "memoryMiB": 16000, "cores": 64},
                         "sharing": {
                             "splitCount": 4,
-                            "signingKey": {"secret": f"{NS}/keys"},
+                            "signingKey": {"secret": f"{NS}/keys", "hmac": True},
                             "lockNamespace": NS,
                             "publishIntervalSeconds": 5,
                             "visibleDevicesEnv": "NPU_VISIBLE_DEVICES",
@@ -117,7 +117,7 @@ def main() -> None:
                 "version": "v1",
                 "families": [{"resource": RES}],
                 "schedulerName": "kxpu-smoke",
-                "signingKey": {"secret": f"{NS}/keys"},
+                "signingKey": {"secret": f"{NS}/keys", "hmac": True},
                 "lockNamespace": NS,
             }
         )

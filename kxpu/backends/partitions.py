@@ -7,22 +7,46 @@ A device of ``slices`` slices is offered whole and as partitions of each profile
 part of it. Partition IDs are ``<device>-<k>g-<start>``; a partition's memory is its share of the
 device's. Every one of them, the whole device too (profile ``<slices>g``), has the attributes
 ``profile``, ``placement`` and ``parent``.
+
+With ``hardwareFile`` the partitions are dynamic, as MIG instances are: ``PartitionTable`` keeps the ones
+made in that file (it outlives the daemon, as a GPU's instances do), ``realize`` makes them and refuses one
+that overlaps a partition that exists, ``release`` and ``reclaim`` destroy them. ``holdFile`` is a fault
+injection for tests: while it exists, making a partition stops half-way (made, not yet returned), so that a
+test can kill the daemon at exactly that point.
 """
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from kxpu.atomicfile import write_atomically
 from kxpu.backends.registry import BackendConfig
-from kxpu.model import CounterSet, Device
+from kxpu.logs import get_logger
+from kxpu.model import BackendError, CounterSet, Device
 from kxpu.model.device import MAX_DEVICE_ID_LENGTH
 
 
 class PartitionLayout(BackendConfig):
     slices: int = Field(default=7, ge=2, le=32, description="slices a device is cut into")
     profiles: list[int] = Field(default_factory=lambda: [1, 2, 3], description="partition sizes, in slices")
+    hardware_file: Path | None = Field(
+        default=None,
+        alias="hardwareFile",
+        description="dynamic partitions: made when a claim is prepared, kept in this file as hardware keeps them",
+    )
+    hold_file: Path | None = Field(
+        default=None,
+        alias="holdFile",
+        description="tests only: while this file exists, making a partition stops after it is made",
+    )
 
     @field_validator("profiles")
     @classmethod
@@ -72,3 +96,77 @@ def partition_devices(whole: Device, layout: PartitionLayout) -> list[Device]:
                 )
             )
     return out
+
+
+log = get_logger("kxpu.backends.partitions")
+
+# How long a held ``realize`` waits for its hold file to go before giving up (tests remove it in seconds).
+HOLD_SECONDS = 600.0
+
+
+class PartitionTable:
+    """Dynamic partitions in a file: ``{"<partition ID>": {"parent": "<counter set>", "slices": ["s0", …]}}``.
+
+    Each partition occupies the slices it draws from its device's counter set (``Device.consumes``); making
+    one that shares a slice with a partition that exists is refused, as the hardware refuses it."""
+
+    def __init__(self, path: Path, hold: Path | None = None) -> None:
+        self.path = path
+        self.hold = hold
+        self._lock = threading.Lock()
+
+    def read(self) -> dict[str, dict[str, Any]]:
+        try:
+            raw = json.loads(self.path.read_text() or "{}")
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise BackendError(f"partition table {self.path} is unreadable: {exc}") from None
+        if not isinstance(raw, dict):
+            raise BackendError(f"partition table {self.path} must hold a JSON object")
+        return raw
+
+    def _write(self, table: Mapping[str, object]) -> None:
+        write_atomically(self.path, json.dumps(table, indent=1, sort_keys=True) + "\n", durable=True)
+
+    @staticmethod
+    def _occupies(device: Device) -> tuple[str, set[str]]:
+        ((parent, counters),) = device.consumes.items()
+        return parent, set(counters)
+
+    def make(self, devices: Sequence[Device]) -> list[tuple[Device, dict[str, str | int]]]:
+        """Make each device's partition, all or none; the handle names it."""
+        made: list[tuple[Device, dict[str, str | int]]] = []
+        with self._lock:
+            table = self.read()
+            for device in devices:
+                parent, slices = self._occupies(device)
+                overlaps = sorted(
+                    pid
+                    for pid, entry in table.items()
+                    if isinstance(entry, dict)
+                    and entry.get("parent") == parent
+                    and slices & set(entry.get("slices") or ())
+                )
+                if overlaps:
+                    raise BackendError(f"{device.id}: cannot make the partition: {overlaps} overlaps it")
+                table[device.id] = {"parent": parent, "slices": sorted(slices)}
+                made.append((device, {"id": device.id}))
+            self._write(table)
+        if self.hold is not None and self.hold.exists():
+            log.warning(
+                "holding a made partition before returning it (holdFile)", partitions=[d.id for d in devices]
+            )
+            deadline = time.monotonic() + HOLD_SECONDS
+            while self.hold.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return made
+
+    def destroy(self, ids: Sequence[str]) -> list[str]:
+        """Destroy these partitions; the ones that existed, in order (one already gone is not an error)."""
+        with self._lock:
+            table = self.read()
+            gone = [i for i in ids if table.pop(i, None) is not None]
+            if gone:
+                self._write(table)
+        return gone

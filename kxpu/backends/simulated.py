@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from kxpu.backends.mounts import MountConfig
-from kxpu.backends.partitions import PartitionLayout, counter_set, partition_devices
+from kxpu.backends.partitions import PartitionLayout, PartitionTable, counter_set, partition_devices
 from kxpu.backends.registry import BackendConfig, register_backend
 from kxpu.backends.templates import EnvTemplates, render_env
 from kxpu.fswatch import directory_changes
@@ -127,6 +127,11 @@ class SimulatedBackend(Backend):
             else [p for whole in self._physical for p in partition_devices(whole, layout)]
         )
         self._states: dict[str, str] = {}
+        self._table = (
+            PartitionTable(layout.hardware_file, layout.hold_file)
+            if layout is not None and layout.hardware_file is not None
+            else None
+        )
 
     def _make(self, index: int) -> Device:
         cfg = self.config
@@ -208,16 +213,26 @@ class SimulatedBackend(Backend):
     ) -> list[str]:
         return numa_packed(available, must_include, size)
 
-    # Partitioner: the simulated partitions always exist (static), so realizing and releasing change nothing.
+    # Partitioner: static partitions always exist, so realizing and releasing change nothing; dynamic ones
+    # (partitions.hardwareFile) are made and destroyed in their table, as MIG instances are on a GPU.
     def counter_sets(self) -> list[CounterSet]:
         layout = self.config.partitions
         return [] if layout is None else [counter_set(whole, layout) for whole in self._physical]
 
     def realize(self, devices: Sequence[Device]) -> list[tuple[Device, dict[str, str | int]]]:
-        return [(device, {}) for device in devices]
+        if self._table is None:
+            return [(device, {}) for device in devices]
+        return self._table.make(devices)
 
     def release(self, handles: Sequence[Mapping[str, str | int]]) -> None:
-        return None
+        if self._table is not None:
+            self._table.destroy([str(h["id"]) for h in handles if h.get("id")])
+
+    def reclaim(self, devices: Sequence[Device]) -> list[str]:
+        """PartitionReclaimer: destroy what exists of these devices' partitions."""
+        if self._table is None:
+            return []
+        return self._table.destroy([d.id for d in devices])
 
     def sample(self) -> TelemetrySample:
         figures = self._read_telemetry()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
@@ -20,7 +20,14 @@ from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.http import Authorizer, HealthServer
 from kxpu.daemon.kubelet_wait import warn_while_no_kubelet
 from kxpu.daemon.registration import file_identity
-from kxpu.daemon.resource import BackendFactory, DraFactory, Phase, ResourceRunner, check_socket_paths
+from kxpu.daemon.resource import (
+    BackendFactory,
+    DraFactory,
+    Phase,
+    ResourceRunner,
+    Withheld,
+    check_socket_paths,
+)
 from kxpu.daemon.wire import KUBELET_SOCKET
 from kxpu.fswatch import directory_changes
 from kxpu.logs import error_text, get_logger, log_failure
@@ -83,6 +90,18 @@ class _TrackingExecutor(ThreadPoolExecutor):
             raise
 
 
+class Leftovers(Withheld, Protocol):
+    """DRA drivers the config no longer serves whose claims are still prepared (``kxpu.dra.leftover``)."""
+
+    def __bool__(self) -> bool: ...
+
+    async def run(self) -> None: ...
+
+    async def hand_over(self, drivers: set[str]) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class _Running:
     runner: ResourceRunner
@@ -102,10 +121,13 @@ class Daemon:
         on_grant_exceeded: ExceededHandler | None = None,
         http_authorize: Authorizer | None = None,
         http_protect_metrics: bool = False,
+        leftovers: Leftovers | None = None,
     ) -> None:
         self.config = config
         self._http_authorize = http_authorize
         self._http_protect_metrics = http_protect_metrics
+        # DRA drivers the config no longer serves whose claims are still prepared (kxpu.dra.leftover).
+        self._leftovers = leftovers
         self._dra = dra
         self.http_address = http_address
         self._on_grant_exceeded = on_grant_exceeded
@@ -159,6 +181,8 @@ class Daemon:
                 warn_while_no_kubelet(lambda: self.config.device_plugin_dir, self._waiting_for_kubelet)
             )
             background = [self._watcher, resync, no_kubelet, *self._start_telemetry()]
+            if self._leftovers is not None:
+                background.append(asyncio.create_task(self._leftovers.run(), name="draining DRA drivers"))
             await self._stop.wait()
             log.info("stopping")
             for task in background:
@@ -219,7 +243,9 @@ class Daemon:
         ]
 
     def _start(self, resource: ResourceConfig) -> None:
-        runner = ResourceRunner(resource, self.config.device_plugin_dir, self._build, self._dra)
+        runner = ResourceRunner(
+            resource, self.config.device_plugin_dir, self._build, self._dra, self._leftovers
+        )
         task = asyncio.create_task(runner.run(), name=f"resource {resource.name}")
         self._running[resource.name] = _Running(runner, task)
 
@@ -230,7 +256,7 @@ class Daemon:
         if not stopping:
             return {}
         for running in stopping:
-            running.task.cancel()
+            running.runner.stop()
         deadline = asyncio.get_running_loop().time() + STOP_SECONDS
         pending = {running.task for running in stopping}
         while pending:
@@ -238,8 +264,9 @@ class Daemon:
             if left <= 0:
                 break
             _, pending = await asyncio.wait(pending, timeout=min(left, 0.5))
-            for task in pending:  # a swallowed cancellation is asked again
-                task.cancel()
+            for running in stopping:  # a swallowed cancellation is asked again
+                if running.task in pending:
+                    running.runner.stop()
         for running in stopping:
             if running.task in pending:
                 name = running.runner.config.name
@@ -304,6 +331,8 @@ class Daemon:
         doc: dict[str, Any] = {"devicePluginDir": str(self.config.device_plugin_dir), "resources": resources}
         if self._telemetry is not None:
             doc["telemetry"] = self._telemetry.status()
+        if self._leftovers is not None and self._leftovers:
+            doc["drainingDrivers"] = self._leftovers.describe()
         return doc
 
     def _poke_all(self) -> None:
@@ -399,6 +428,10 @@ class Daemon:
             # its devices (a restart or a config change that keeps DRA keeps them).
             if runner.config.serve == "dra" and (name not in wanted or wanted[name].serve != "dra"):
                 await runner.withdraw()
+        if self._leftovers is not None:  # a draining driver served through DRA again takes its claims back
+            await self._leftovers.hand_over(
+                {wanted[n].dra_driver for n in changed + added if wanted[n].serve == "dra"}
+            )
         for name in changed + added:
             self._start(wanted[name])
         kept = len(current) - len(removed) - len(changed)

@@ -17,7 +17,7 @@ import itertools
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,7 +33,7 @@ from kxpu.daemon.serving import stop_server
 from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.daemon.wire import KUBELET_SOCKET, SERVER_OPTIONS
 from kxpu.logs import error_text, get_logger, log_failure
-from kxpu.model import Backend, BackendError, Closable, Device, Watcher
+from kxpu.model import Backend, BackendError, Closable, Device, Health, Watcher
 from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
@@ -57,6 +57,11 @@ class DraServer(Protocol):
     @property
     def ready(self) -> bool: ...
 
+    @property
+    def registrations(self) -> int:
+        """How often the kubelet accepted this server's registration."""
+        ...
+
     async def run(self) -> None: ...
 
     def poke(self) -> None: ...
@@ -66,6 +71,19 @@ class DraServer(Protocol):
     def describe(self) -> dict[str, Any]:
         """For the daemon's /status: the driver, its pool and the prepared claims."""
         ...
+
+
+class Withheld(Protocol):
+    """Devices prepared DRA claims hold for a driver the config no longer serves through DRA
+    (``kxpu.dra.leftover.Leftovers``): the device plugin offers them as Unhealthy until they are released."""
+
+    version: int
+
+    def withheld(self, driver: str) -> Mapping[str, str]:
+        """Device ID or UUID → why it is not offered."""
+        ...
+
+    async def wait_newer_than(self, version: int) -> None: ...
 
 
 # (resource, backend, snapshot) → its DRA server; the CLI wires the Kubernetes client and directories in.
@@ -86,6 +104,11 @@ class Phase(enum.StrEnum):
 
 # A ServeError that persists (a directory kxpu may not write) is logged once, then at this interval.
 BLOCKED_RELOG_SECONDS = 600.0
+
+# A failed resource is retried after 0.5 s, then 1, 2, 4 ... at most 30 s apart; a resource that registered
+# (served) again before failing starts over at 0.5 s.
+RETRY_INITIAL_SECONDS = 0.5
+RETRY_MAX_SECONDS = 30.0
 
 _HASH_HEX = 16
 _SHORTEST_NAME = len("kxpu-") + _HASH_HEX + len(".sock")  # a hashed socket name without a hint
@@ -159,9 +182,16 @@ def _obstacle(path: Path) -> str | None:
 
 class ResourceRunner:
     def __init__(
-        self, config: ResourceConfig, plugin_dir: Path, build: BackendFactory, dra: DraFactory | None = None
+        self,
+        config: ResourceConfig,
+        plugin_dir: Path,
+        build: BackendFactory,
+        dra: DraFactory | None = None,
+        withheld: Withheld | None = None,
     ) -> None:
         self.config = config
+        self.withheld = withheld
+        self._discovered: list[Device] = []
         self.plugin_dir = plugin_dir
         self.build = build
         self.dra_factory = dra
@@ -170,12 +200,17 @@ class ResourceRunner:
         self.socket_path = plugin_dir / socket_name(config.name, plugin_dir)
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET
         self._phase = Phase.STARTING
-        self.registrations = 0
+        self.registrations = 0  # with the kubelet's device manager
+        self._dra_registrations = 0  # of the DRA servers that have stopped
         self.snapshot = DeviceSnapshot()
         self.backend: Backend | None = None  # while the resource runs (telemetry samples it)
         self._servicer: DevicePluginServicer | None = None
         self._poked = asyncio.Event()
         self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
+        # Set by stop(): what tells a requested stop from a failure. A task's cancelling() count cannot: on
+        # Python 3.11 and 3.12 a TaskGroup whose child failed leaves its parent's count at 1 for good.
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
         self.log = log.bind(resource=config.name)
 
     @property
@@ -208,17 +243,27 @@ class ResourceRunner:
         if self.dra is not None:
             self.dra.poke()
 
+    def stop(self) -> None:
+        """Ask the runner to stop (SIGTERM, a reload): its task is cancelled, and a failure torn down meanwhile
+        ends the runner instead of being retried. Safe to call again (a swallowed cancellation is asked again)."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+
     async def run(self) -> None:
-        """Run until cancelled; a failure is logged and retried, never propagated to other resources."""
-        backoff = Backoff(initial=0.5, maximum=30.0)
+        """Run until stop(); a failure is logged and retried with backoff, never propagated to other resources."""
+        self._task = asyncio.current_task()
+        backoff = Backoff(initial=RETRY_INITIAL_SECONDS, maximum=RETRY_MAX_SECONDS)
         try:
-            while True:
-                registered_before = self.registrations
+            while not self._stopping:  # stop() before this task first ran had no task to cancel
+                served_before = self._times_served()
                 try:
                     await self._run_once()
-                    return
+                    if self._stopping:
+                        return
+                    raise RuntimeError("the resource stopped serving without an error")  # retried below
                 except Exception as exc:
-                    if _stop_requested():
+                    if self._stopping:
                         # Stopped (SIGTERM, a reload) while this failure was being torn down: asyncio's
                         # TaskGroup then raises the child's error and drops the cancellation. Retrying
                         # would serve and register again after "stopping" and never end.
@@ -226,7 +271,7 @@ class ResourceRunner:
                         raise asyncio.CancelledError from None
                     self.phase = Phase.FAILED
                     metrics.RESOURCE_FAILURES.labels(self.config.name).inc()
-                    if self.registrations > registered_before:
+                    if self._times_served() > served_before:
                         backoff.reset()  # it worked for a while: a new failure starts the backoff over
                     delay = backoff.next_delay()
                     log_failure(self.log, "resource failed; retrying", exc, retry_in_s=delay)
@@ -235,12 +280,18 @@ class ResourceRunner:
             self.phase = Phase.STOPPED
             metrics.forget_resource(self.config.name, self.snapshot.devices)
 
+    def _times_served(self) -> int:
+        """Registrations with the kubelet, through the device plugin or DRA."""
+        return self.registrations + self._dra_registrations + (self.dra.registrations if self.dra else 0)
+
     async def _run_once(self) -> None:
         backend = await self._build_backend()
         self.backend = backend
         try:
             self.snapshot = DeviceSnapshot()
             await self._update(await asyncio.to_thread(backend.discover))
+            # Serving again after a failure: the DRA half's phase shows through only while ours is not FAILED.
+            self.phase = Phase.STARTING
             if self.config.serve == "dra":
                 await self._run_dra(backend)
                 return
@@ -262,6 +313,8 @@ class ResourceRunner:
                 if isinstance(backend, Watcher):
                     tasks.create_task(self._follow(backend))
                 tasks.create_task(self._serve_and_register(servicer))
+                if self.withheld is not None:
+                    tasks.create_task(self._follow_withheld(self.withheld))
                 tasks.create_task(self._fail_with_streams(servicer))
         finally:
             self.backend = None
@@ -284,6 +337,7 @@ class ResourceRunner:
                     tasks.create_task(self._follow(backend))
                 tasks.create_task(self.dra.run())
         finally:
+            self._dra_registrations += self.dra.registrations
             self.dra = None
 
     @property
@@ -318,7 +372,32 @@ class ResourceRunner:
         the dead stream's devices unhealthy with nothing logged and nothing retried."""
         raise await servicer.stream_failure()
 
+    async def _follow_withheld(self, withheld: Withheld) -> None:
+        seen = withheld.version
+        while True:
+            await withheld.wait_newer_than(seen)
+            seen = withheld.version  # read before the update: a change meanwhile is waited for again
+            if await self._update(self._discovered):
+                self.log.info("devices held by DRA claims changed", withheld=sorted(self._withheld_now()))
+
+    def _withheld_now(self) -> Mapping[str, str]:
+        if self.withheld is None or self.config.serve == "dra":
+            return {}
+        try:
+            return self.withheld.withheld(self.config.dra_driver)
+        except ValueError:  # no DRA driver name can be derived from this resource's name
+            return {}
+
     async def _update(self, devices: list[Device]) -> bool:
+        self._discovered = devices
+        held = self._withheld_now()
+        if held:  # never offered through the device plugin while a DRA claim holds them
+            devices = [
+                d.with_health(Health.UNHEALTHY, reason=held.get(d.id) or held[str(d.uuid)])
+                if d.id in held or (d.uuid is not None and d.uuid in held)
+                else d
+                for d in devices
+            ]
         changed = await self.snapshot.update(devices)
         if changed:
             metrics.observe_devices(self.config.name, devices, self._reported)
@@ -485,12 +564,6 @@ def _check_bindable(directory: Path, path: Path) -> None:
         probe.close()
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-
-
-def _stop_requested() -> bool:
-    """Whether the current task has been asked to stop, even if the CancelledError was swallowed."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _close_built(building: asyncio.Future[Backend]) -> None:

@@ -7,7 +7,16 @@ work from what is on disk. One JSON file per driver, replaced atomically after e
     {"version": "v1", "driver": "npu.example.com",
      "claims": {"<claim UID>": {"namespace": "ns", "name": "c", "cdiSpec": "/var/run/cdi/….json",
                                 "devices": [{"requests": ["npu"], "pool": "node-1", "device": "sim-0",
-                                             "id": "sim-0", "cdiDeviceIDs": ["npu.example.com/claim=…"]}]}}}
+                                             "id": "sim-0", "cdiDeviceIDs": ["npu.example.com/claim=…"]}]}},
+     "making": {"<claim UID>": {"claim": "ns/c", "devices": ["sim-0-1g-3"]}},
+     "unreleased": [{…a partition's handle…}], "releasing": ["<claim UID>"]}
+
+``making`` is written before the backend makes a claim's partitions and dropped once the claim is recorded
+(or its partitions released): a partition the hardware holds that no claim owns is one a crash left behind,
+and only those listed here (kxpu's own) are ever destroyed by the reconciliation. ``unreleased`` holds the
+handles of partitions whose claim was unprepared while no backend could destroy them (the resource was no
+longer configured): released as soon as a backend that can is back. ``releasing`` marks the claims whose
+unprepare is destroying their partitions; a crash before their entry goes is finished at the next start.
 
 A file that cannot be read or parsed is moved aside (``.corrupt``) with an error naming it, and the
 driver starts with no prepared claims rather than not at all; the CDI specs already written stay in
@@ -51,6 +60,9 @@ class PreparedDevice:
     partition: Mapping[str, str | int] | None = None
     # Allocated with adminAccess (monitoring beside the device's users): holds nothing of the device.
     admin_access: bool = False
+    # The physical device a partition is cut from (its ``parent`` attribute), when it is not the device itself:
+    # another path offering the physical device must not offer it while a part of it is prepared.
+    parent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +94,7 @@ def _claim_to_json(claim: PreparedClaim) -> dict[str, Any]:
                 **({"cores": d.cores} if d.cores is not None else {}),
                 **({"partition": dict(d.partition)} if d.partition else {}),
                 **({"adminAccess": True} if d.admin_access else {}),
+                **({"parent": d.parent} if d.parent else {}),
             }
             for d in claim.devices
         ],
@@ -105,10 +118,19 @@ def _claim_from_json(raw: Mapping[str, Any]) -> PreparedClaim:
                 cores=d.get("cores"),
                 partition=d.get("partition"),
                 admin_access=bool(d.get("adminAccess", False)),
+                parent=d.get("parent"),
             )
             for d in raw["devices"]
         ),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Making:
+    """Partitions about to be made for a claim (written ahead of ``Partitioner.realize``)."""
+
+    claim: str  # namespace/name, for logs
+    devices: tuple[str, ...]  # kxpu device IDs
 
 
 class Checkpoint:
@@ -118,13 +140,16 @@ class Checkpoint:
         self.path = path
         self.driver = driver
         self.claims: dict[str, PreparedClaim] = {}
+        self.making: dict[str, Making] = {}
+        self.unreleased: list[dict[str, str | int]] = []
+        self.releasing: list[str] = []  # claim UIDs whose unprepare is destroying their partitions
         self.set_aside = False  # the file on disk was unusable at load and moved away
 
     def load(self) -> None:
         try:
             text = self.path.read_text()
         except FileNotFoundError:
-            self.claims = {}
+            self.claims, self.making, self.unreleased, self.releasing = {}, {}, [], []
             return
         except OSError as exc:
             self._move_aside(f"unreadable: {exc.strerror or exc}")
@@ -134,6 +159,12 @@ class Checkpoint:
             if raw.get("version") != VERSION or raw.get("driver") != self.driver:
                 raise ValueError(f"version {raw.get('version')!r}, driver {raw.get('driver')!r}")
             self.claims = {str(uid): _claim_from_json(c) for uid, c in raw["claims"].items()}
+            self.making = {
+                str(uid): Making(str(m["claim"]), tuple(str(d) for d in m["devices"]))
+                for uid, m in (raw.get("making") or {}).items()
+            }
+            self.unreleased = [dict(h) for h in raw.get("unreleased") or []]
+            self.releasing = [str(u) for u in raw.get("releasing") or []]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             self._move_aside(f"not a kxpu {VERSION} checkpoint of {self.driver}: {type(exc).__name__}: {exc}")
 
@@ -150,13 +181,25 @@ class Checkpoint:
             moved_to=str(aside),
             reason=why,
         )
-        self.claims = {}
+        self.claims, self.making, self.unreleased, self.releasing = {}, {}, [], []
 
     def save(self) -> None:
         doc = {
             "version": VERSION,
             "driver": self.driver,
             "claims": {uid: _claim_to_json(c) for uid, c in sorted(self.claims.items())},
+            **(
+                {
+                    "making": {
+                        uid: {"claim": m.claim, "devices": list(m.devices)}
+                        for uid, m in sorted(self.making.items())
+                    }
+                }
+                if self.making
+                else {}
+            ),
+            **({"unreleased": [dict(h) for h in self.unreleased]} if self.unreleased else {}),
+            **({"releasing": list(self.releasing)} if self.releasing else {}),
         }
         try:
             write_atomically(self.path, json.dumps(doc, indent=1) + "\n", mode=0o600, durable=True)
@@ -173,6 +216,20 @@ class Checkpoint:
             for prepared in claim.devices
             if prepared.device == device
         ]
+
+
+def held_devices(claims: Mapping[str, PreparedClaim]) -> dict[str, str]:
+    """Every device these claims hold (kxpu ID, and the physical device a partition is cut from) → the
+    claim holding it: what no other path may offer while they are prepared. Admin access holds nothing."""
+    out: dict[str, str] = {}
+    for claim in claims.values():
+        for d in claim.devices:
+            if d.admin_access:
+                continue
+            out.setdefault(d.id, claim.ref)
+            if d.parent:
+                out.setdefault(d.parent, claim.ref)
+    return out
 
 
 def as_dict(claim: PreparedClaim) -> dict[str, Any]:

@@ -173,6 +173,7 @@ class DraPlugin:
         self._active = asyncio.Event()  # serving (not standing by): only then are slices published
         self.phase = DraPhase.STARTING
         self.registered = False
+        self.registrations = 0  # how often the kubelet accepted the registration (the runner's backoff)
         self.registration_error = ""
         self.published_revision = -1
         self._poked = asyncio.Event()
@@ -202,6 +203,7 @@ class DraPlugin:
         self.registered, self.registration_error = registered, error
         metrics.DRIVER_REGISTERED.labels(self.driver).set(1 if registered else 0)
         if registered:
+            self.registrations += 1
             self.log.info("registered with the kubelet")
         else:
             self.log.error("the kubelet refused the registration", reason=error or "no reason given")
@@ -227,6 +229,7 @@ class DraPlugin:
                 if self.held:
                     tasks.create_task(self._follow_held())
                 tasks.create_task(self._publish_loop())
+                tasks.create_task(self._release_deleted_claims())
                 tasks.create_task(self._watch_slices())
                 tasks.create_task(self._watch_dirs())
                 tasks.create_task(self._serve_loop())
@@ -271,6 +274,8 @@ class DraPlugin:
                             self.log.warning(
                                 "a DRA socket was removed; serving it again", socket=str(served.path)
                             )
+                    if self.phase in (DraPhase.STARTING, DraPhase.STANDBY):
+                        await self.preparer.reconcile()  # what a crash left in the hardware, before serving
                     if not self.dra.intact():  # the endpoint first: the kubelet dials it once it has our info
                         await self.dra.serve()
                     self.registered = False
@@ -290,6 +295,11 @@ class DraPlugin:
                 await wait_event(self._poked, delay)
                 continue
             await wait_event(self._poked, RESYNC_SECONDS)
+
+    async def _release_deleted_claims(self) -> None:
+        """Once serving (never while another process does): claims deleted while the driver was down."""
+        await self._active.wait()
+        await self.preparer.release_deleted_claims()
 
     async def _watch_dirs(self) -> None:
         directories = [self.dra.path.parent, self.registration.path.parent]

@@ -14,6 +14,15 @@ Unprepare releases the claim's partitions, removes its CDI spec and then its che
 that is not prepared is not an error (the kubelet repeats calls). A crash between the release and the
 checkpoint write releases again on the next unprepare (``Partitioner.release`` is idempotent).
 
+Write-ahead order, so that a crash (SIGKILL) at any point leaves nothing that cannot be undone: the
+partitions a claim is about to get are recorded (``Checkpoint.making``) before the backend makes them, the
+CDI spec is written next, and the claim is recorded last (dropping its ``making``). ``reconcile`` (at start,
+and when making a partition fails) destroys the partitions of every ``making`` no prepared claim owns, through
+the backend's ``PartitionReclaimer`` capability, and releases ``unreleased`` handles; ``release_deleted_claims``
+(at start) unprepares checkpointed claims the API no longer has (deleted while the daemon was down, the
+kubelet may never ask). A driver the config no longer serves through DRA (``draining``) keeps answering the
+claims prepared before and unprepares them, but prepares no new one.
+
 Calls are serialized (one lock) once the claims are read (outside it, as the events are posted): the
 checkpoint is one file and the double-allocation check must see every earlier prepare. The CDI spec and
 the checkpoint (a few KiB, on local disk or tmpfs) are written on
@@ -28,7 +37,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,7 +45,14 @@ from typing import Any, Protocol
 from kxpu.atomicfile import write_atomically
 from kxpu.cdi.spec import build_spec, qualified_name, validate_spec
 from kxpu.dra import metrics
-from kxpu.dra.checkpoint import Checkpoint, CheckpointError, PreparedClaim, PreparedDevice
+from kxpu.dra.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    Making,
+    PreparedClaim,
+    PreparedDevice,
+    held_devices,
+)
 from kxpu.dra.claims import AllocatedDevice, ClaimAllocation, ClaimError, allocation_for
 from kxpu.dra.config import DraSharesConfig
 from kxpu.dra.names import claim_cdi_device, claim_cdi_kind, device_name, parent_request
@@ -51,6 +67,7 @@ from kxpu.model import (
     Device,
     DeviceShare,
     Partitioner,
+    PartitionReclaimer,
     ShareAllocator,
     share_limit_env,
 )
@@ -110,8 +127,15 @@ class Preparer:
         self.claims = claims
         self.cdi_kind = claim_cdi_kind(driver)
         self.held: frozenset[str] = frozenset()  # IDs pods still hold through the device plugin
+        # Devices claims of another driver of this node still hold (a driver renamed across a restart, its claims
+        # drained: kxpu.dra.leftover) → why: never prepared for this one until they are released.
+        self.elsewhere: Callable[[], Mapping[str, str]] = dict
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Future[Any]] = set()  # releases of partitions a cancelled prepare made
+        self._realizing: set[str] = set()  # claim UIDs whose partitions a worker thread is making right now
+        # Served only for the claims prepared before: the config no longer serves this driver through DRA.
+        self.draining = False
+        self.changed = asyncio.Event()  # set whenever claims were unprepared
         self.log = log.bind(driver=driver)
 
     @property
@@ -190,12 +214,21 @@ class Preparer:
         known = self.checkpoint.claims.get(ref.uid)
         if known is not None and _spec_present(known):
             return known.devices  # the kubelet asks again after a restart or a timeout: same answer
+        if self.draining:
+            raise ClaimError(
+                f"ResourceClaim {ref.ref}: driver {self.driver} is no longer served through DRA on this node (its "
+                "config changed); it only unprepares the claims prepared before: serve it through DRA again"
+            )
         if isinstance(claim, Exception):
             raise claim
         if claim is None:
             raise ClaimError(f"ResourceClaim {ref.ref} does not exist (deleted while the pod was starting?)")
         allocation = allocation_for(claim, ref.uid, self.driver, self.pool)
         chosen = self._lookup(allocation)
+        if known is not None:
+            # Prepared before, but its CDI spec is gone (a tmpfs cleared, removed by hand): prepared again from
+            # the start, so the partitions it had are destroyed first; the new ones would overlap them.
+            await self._release([dict(d.partition) for d in known.devices if d.partition])
         chosen, handles = await self._realize(allocation, chosen)
         # From here on, whatever stops this prepare (a refusal, the backend, the kubelet's deadline cancelling
         # the call) releases the partitions just made and removes what was written: nothing is left behind.
@@ -206,12 +239,19 @@ class Preparer:
             self.checkpoint.claims[ref.uid] = PreparedClaim(
                 ref.namespace, ref.name, str(spec_path) if spec_path else None, tuple(prepared)
             )
-            self.checkpoint.save()
+            making = self.checkpoint.making.pop(ref.uid, None)
+            try:
+                self.checkpoint.save()
+            except BaseException:
+                if making is not None:
+                    self.checkpoint.making[ref.uid] = making
+                raise
         except BaseException:
             self.checkpoint.claims.pop(ref.uid, None)
             if spec_path is not None:
                 spec_path.unlink(missing_ok=True)
-            await self._release_quietly(allocation, list(handles.values()))
+            if await self._release_quietly(allocation, list(handles.values())):
+                self._forget_making(ref.uid)
             raise
         self.log.info(
             "claim prepared",
@@ -262,6 +302,7 @@ class Preparer:
                         cores=grant.cores if allocated.share_id else None,
                         partition=handles.get(allocated.device),
                         admin_access=allocated.admin_access,
+                        parent=_parent(device),
                     )
                 )
         return prepared, entries
@@ -285,6 +326,13 @@ class Preparer:
                     f"ResourceClaim {allocation.ref}: device {allocated.device} ({device.id}) is still used by a pod that "
                     "got it through the device plugin; it is offered once that pod is gone"
                 )
+            elsewhere = self.elsewhere()
+            held_by = elsewhere.get(device.id) or (elsewhere.get(device.uuid) if device.uuid else None)
+            if held_by and not allocated.admin_access:
+                raise ClaimError(
+                    f"ResourceClaim {allocation.ref}: device {allocated.device} ({device.id}) is {held_by}; it is "
+                    "prepared once that claim is released"
+                )
             if not allocated.admin_access:
                 self._check_not_taken(allocation, allocated, device)
             chosen.append((allocated, device))
@@ -303,8 +351,52 @@ class Preparer:
                 f"ResourceClaim {allocation.ref}: driver {self.driver}'s backend makes no partitions"
             )
         await self._check_counters(allocation, [d for _, d in partitions])
-        making = asyncio.to_thread(self.backend.realize, [d for _, d in partitions])
-        realizing = asyncio.ensure_future(making)
+        # Written ahead: a crash inside realize leaves a partition only the record says is kxpu's.
+        self.checkpoint.making[allocation.uid] = Making(allocation.ref, tuple(d.id for _, d in partitions))
+        try:
+            self.checkpoint.save()
+        except CheckpointError:
+            self.checkpoint.making.pop(allocation.uid, None)
+            raise
+        try:
+            made = await self._make(allocation, [d for _, d in partitions])
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Making failed: maybe on a partition a crash left behind (it overlaps). Reconcile and try once more.
+            # This claim's own record is out of it (realize is all or none: nothing was made): what is at its
+            # placements now is not kxpu's to destroy unless another record says so.
+            mine = self.checkpoint.making.pop(allocation.uid)
+            if not await self._reconcile_locked():
+                with contextlib.suppress(CheckpointError):
+                    self.checkpoint.save()
+                raise
+            self.checkpoint.making[allocation.uid] = mine
+            try:
+                self.checkpoint.save()
+                made = await self._make(allocation, [d for _, d in partitions])
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self._forget_making(allocation.uid)
+                raise
+        if len(made) != len(partitions):
+            if await self._release_quietly(allocation, [h for _, h in made]):
+                self._forget_making(allocation.uid)
+            raise BackendError(f"the backend made {len(made)} partitions for {len(partitions)} asked")
+        realized = {
+            a.device: (device, dict(handle))
+            for (a, _), (device, handle) in zip(partitions, made, strict=True)
+        }
+        devices = [(a, realized[a.device][0] if a.device in realized else d) for a, d in chosen]
+        return devices, {name: handle for name, (_, handle) in realized.items()}
+
+    async def _make(
+        self, allocation: ClaimAllocation, devices: list[Device]
+    ) -> Sequence[tuple[Device, Mapping[str, str | int]]]:
+        assert isinstance(self.backend, Partitioner)
+        realizing = asyncio.ensure_future(asyncio.to_thread(self.backend.realize, devices))
+        self._realizing.add(allocation.uid)
         self._background.add(realizing)
         realizing.add_done_callback(self._background.discard)
         try:
@@ -313,15 +405,111 @@ class Preparer:
             # The kubelet's deadline: the worker thread goes on making the partitions; release them once made.
             realizing.add_done_callback(lambda done: self._release_when_made(allocation, done))
             raise
-        if len(made) != len(partitions):
-            await self._release_quietly(allocation, [h for _, h in made])
-            raise BackendError(f"the backend made {len(made)} partitions for {len(partitions)} asked")
-        realized = {
-            a.device: (device, dict(handle))
-            for (a, _), (device, handle) in zip(partitions, made, strict=True)
-        }
-        devices = [(a, realized[a.device][0] if a.device in realized else d) for a, d in chosen]
-        return devices, {name: handle for name, (_, handle) in realized.items()}
+        except BaseException:
+            self._realizing.discard(allocation.uid)
+            raise
+        self._realizing.discard(allocation.uid)
+        return made
+
+    def _forget_making(self, uid: str) -> None:
+        """The claim's partitions are released (or were never made): its write-ahead record goes; a failure to
+        save keeps it on disk, which costs one harmless reclaim later."""
+        if self.checkpoint.making.pop(uid, None) is not None:
+            try:
+                self.checkpoint.save()
+            except CheckpointError as exc:
+                self.log.warning("cannot drop a partition record from the checkpoint", error=str(exc))
+
+    # -- reconciliation -----------------------------------------------------------------------------------
+    async def reconcile(self) -> list[str]:
+        """Destroy the partitions no prepared claim owns that a crash left in the hardware (each recorded in
+        ``making`` before it was made; nothing else is touched), and release the ``unreleased`` handles; one
+        log line names what was reclaimed. Returns it. Called at start, before serving."""
+        async with self._lock:
+            return await self._reconcile_locked()
+
+    async def _reconcile_locked(self) -> list[str]:
+        reclaimed: list[str] = []
+        dirty = False
+        if self.checkpoint.unreleased and isinstance(self.backend, Partitioner):
+            handles = list(self.checkpoint.unreleased)
+            try:
+                await asyncio.to_thread(self.backend.release, handles)
+            except Exception as exc:
+                self.log.error(
+                    "cannot destroy partitions of claims unprepared earlier; retrying at the next reconciliation",
+                    error=one_line(error_text(exc)),
+                )
+            else:
+                reclaimed += [str(h.get("id") or h.get("uuid") or dict(h)) for h in handles]
+                self.checkpoint.unreleased = [h for h in self.checkpoint.unreleased if h not in handles]
+                dirty = True
+        interrupted = [
+            ClaimRef(c.namespace, uid, c.name)
+            for uid in self.checkpoint.releasing
+            if (c := self.checkpoint.claims.get(uid)) is not None
+        ]
+        if len(interrupted) != len(self.checkpoint.releasing):
+            self.checkpoint.releasing = [r.uid for r in interrupted]
+            dirty = True
+        if interrupted:
+            self.log.info("finishing unprepares a crash interrupted", claims=[r.ref for r in interrupted])
+            done = await self._unprepare_locked(interrupted)
+            reclaimed += [f"{r.ref} (unprepared)" for r in interrupted if done.get(r.uid) is None]
+        by_id = {d.id: d for d in self._by_name.values()}
+        for uid, making in list(self.checkpoint.making.items()):
+            if uid in self._realizing:
+                continue  # a worker thread is making them now (a cancelled prepare): released when made
+            if uid not in self.checkpoint.claims and not isinstance(self.backend, Partitioner):
+                continue  # a draining driver: kept for the backend that can destroy them, once it is back
+            if uid not in self.checkpoint.claims:
+                held = held_devices(self.checkpoint.claims)
+                devices = [by_id[i] for i in making.devices if i in by_id and i not in held]
+                if devices and isinstance(self.backend, PartitionReclaimer):
+                    try:
+                        reclaimed += await asyncio.to_thread(self.backend.reclaim, devices)
+                    except Exception as exc:
+                        self.log.error(
+                            "cannot destroy partitions left by an interrupted prepare; retrying later",
+                            claim=making.claim,
+                            error=one_line(error_text(exc)),
+                        )
+                        continue
+            self.checkpoint.making.pop(uid, None)
+            dirty = True
+        if dirty:
+            try:
+                self.checkpoint.save()
+            except CheckpointError as exc:
+                self.log.warning("cannot record the reconciliation in the checkpoint", error=str(exc))
+        if reclaimed:
+            self.log.warning(
+                "destroyed partitions no prepared claim owns (left by an interrupted prepare or unprepare)",
+                partitions=reclaimed,
+            )
+        return reclaimed
+
+    async def release_deleted_claims(self) -> list[str]:
+        """Unprepare the checkpointed claims the API server no longer has (deleted, or deleted and made again,
+        while the daemon was down): nothing uses them, and the kubelet may never ask. A claim that cannot be
+        read stays as it is. Never raises; returns the claims unprepared."""
+        try:
+            refs = [ClaimRef(c.namespace, uid, c.name) for uid, c in list(self.checkpoint.claims.items())]
+            answers = await self._fetch(refs)
+            gone = [ref for ref in refs if _deleted(ref, answers.get(ref.uid))]
+            if not gone:
+                return []
+            self.log.info(
+                "unpreparing claims deleted from the API server while the driver was down",
+                claims=[r.ref for r in gone],
+            )
+            results = await self.unprepare(gone)
+            return [r.ref for r in gone if results.get(r.uid) is None]
+        except Exception as exc:
+            self.log.error(
+                "cannot check prepared claims against the API server", error=one_line(error_text(exc))
+            )
+            return []
 
     async def _check_counters(self, allocation: ClaimAllocation, devices: list[Device]) -> None:
         """The last line of defence for partitions: what prepared partitions and these draw from each counter
@@ -355,23 +543,28 @@ class Preparer:
 
     async def _release_quietly(
         self, allocation: ClaimAllocation, handles: Sequence[Mapping[str, str | int]]
-    ) -> None:
+    ) -> bool:
         """Release partitions of a prepare that failed; a failure to release is logged, never raised over the
-        prepare's own error, and a cancelled prepare still releases (in the background)."""
+        prepare's own error, and a cancelled prepare still releases (in the background). True once released."""
         if not any(handles):
-            return
+            return True
         task = asyncio.ensure_future(self._release(handles))
         self._background.add(task)
         task.add_done_callback(lambda t: self._released(allocation, t))
         with contextlib.suppress(Exception):
             await asyncio.shield(task)
+            return True
+        return False
 
     def _released(self, allocation: ClaimAllocation, task: asyncio.Future[None]) -> None:
         self._background.discard(task)
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None:
+        if exc is None:
+            if allocation.uid not in self.checkpoint.claims:
+                self._forget_making(allocation.uid)
+        else:
             self.log.error(
                 "cannot release the partitions of a claim that was not prepared",
                 claim=allocation.ref,
@@ -379,6 +572,7 @@ class Preparer:
             )
 
     def _release_when_made(self, allocation: ClaimAllocation, done: asyncio.Future[Any]) -> None:
+        self._realizing.discard(allocation.uid)
         if done.cancelled() or done.exception() is not None:
             return
         handles = [h for _, h in done.result()]
@@ -510,45 +704,84 @@ class Preparer:
     # -- unprepare --------------------------------------------------------------------------------------
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
         async with self._lock:
-            results: dict[str, str | None] = {}
-            removed: dict[str, PreparedClaim] = {}
-            for ref in refs:
-                started = time.perf_counter()
-                known = self.checkpoint.claims.get(ref.uid)
-                if known is not None:
-                    # Released before the checkpoint is saved: a crash in between releases again on the next
-                    # unprepare, which Partitioner.release must take (it is idempotent); never the other way
-                    # round, which would leak the partition.
-                    try:
-                        await self._release([dict(d.partition) for d in known.devices if d.partition])
-                    except Exception as exc:
-                        results[ref.uid] = self._unprepare_failure(ref, "cannot destroy its partitions", exc)
-                        continue
-                paths = {self.spec_path(ref.uid)}
-                if known is not None and known.cdi_spec:
-                    paths.add(Path(known.cdi_spec))
+            return await self._unprepare_locked(refs)
+
+    async def _unprepare_locked(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
+        results: dict[str, str | None] = {}
+        removed: dict[str, PreparedClaim] = {}
+        # Written ahead: a claim whose partitions are being destroyed is marked, so that a crash before its entry
+        # goes is finished at the next start (the partitions gone, the claim still recorded, is no state to keep).
+        marking = [
+            r.uid
+            for r in refs
+            if r.uid not in self.checkpoint.releasing
+            and any(d.partition for d in getattr(self.checkpoint.claims.get(r.uid), "devices", ()))
+        ]
+        if marking:
+            self.checkpoint.releasing.extend(marking)
+            try:
+                self.checkpoint.save()
+            except CheckpointError as exc:
+                self.checkpoint.releasing = [u for u in self.checkpoint.releasing if u not in marking]
+                results.update(dict.fromkeys(marking, str(exc)))
+        for ref in refs:
+            if ref.uid in results:
+                continue
+            started = time.perf_counter()
+            known = self.checkpoint.claims.get(ref.uid)
+            if known is not None:
+                # Released before the checkpoint is saved: a crash in between releases again (at the next start,
+                # or the next unprepare), which Partitioner.release must take (it is idempotent); never the
+                # other way round, which would leak the partition.
+                handles = [dict(d.partition) for d in known.devices if d.partition]
                 try:
-                    for path in paths:
-                        path.unlink(missing_ok=True)
-                except OSError as exc:
-                    results[ref.uid] = self._unprepare_failure(ref, "cannot remove its CDI spec", exc)
+                    if handles and not isinstance(self.backend, Partitioner):
+                        # Draining a driver whose resource left the config: no backend can destroy them now.
+                        # Kept on disk and destroyed once the resource is served through DRA again.
+                        self.checkpoint.unreleased.extend(
+                            h for h in handles if h not in self.checkpoint.unreleased
+                        )
+                        self.log.warning(
+                            "the claim's partitions stay in the hardware until its resource is served through "
+                            "DRA again (no configured backend can destroy them)",
+                            claim=ref.ref,
+                            partitions=[str(h.get("id") or h.get("uuid") or h) for h in handles],
+                        )
+                    else:
+                        await self._release(handles)
+                except Exception as exc:
+                    results[ref.uid] = self._unprepare_failure(ref, "cannot destroy its partitions", exc)
                     continue
-                if known is not None:
-                    removed[ref.uid] = self.checkpoint.claims.pop(ref.uid)
-                results[ref.uid] = None
-                metrics.UNPREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
-                if known is not None:
-                    self.log.info("claim unprepared", claim=ref.ref, uid=ref.uid)
-            if removed:
-                try:
-                    self.checkpoint.save()
-                except CheckpointError as exc:
-                    # Memory stays what the disk says: the claims are still prepared, the kubelet retries.
-                    self.checkpoint.claims.update(removed)
-                    for uid in removed:
-                        results[uid] = str(exc)
-            metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
-            return results
+            paths = {self.spec_path(ref.uid)}
+            if known is not None and known.cdi_spec:
+                paths.add(Path(known.cdi_spec))
+            try:
+                for path in paths:
+                    path.unlink(missing_ok=True)
+            except OSError as exc:
+                results[ref.uid] = self._unprepare_failure(ref, "cannot remove its CDI spec", exc)
+                continue
+            if known is not None:
+                removed[ref.uid] = self.checkpoint.claims.pop(ref.uid)
+            results[ref.uid] = None
+            metrics.UNPREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
+            if known is not None:
+                self.log.info("claim unprepared", claim=ref.ref, uid=ref.uid)
+        if removed:
+            releasing = self.checkpoint.releasing
+            self.checkpoint.releasing = [u for u in releasing if u not in removed]
+            try:
+                self.checkpoint.save()
+            except CheckpointError as exc:
+                # Memory stays what the disk says: the claims are still prepared, the kubelet retries.
+                self.checkpoint.claims.update(removed)
+                self.checkpoint.releasing = releasing
+                for uid in removed:
+                    results[uid] = str(exc)
+            else:
+                self.changed.set()
+        metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
+        return results
 
     def _unprepare_failure(self, ref: ClaimRef, what: str, exc: Exception) -> str:
         detail = exc.strerror or str(exc) if isinstance(exc, OSError) else error_text(exc)
@@ -578,6 +811,21 @@ class Preparer:
                 path.unlink(missing_ok=True)
                 removed.append(path)
         return removed
+
+
+def _deleted(ref: ClaimRef, answer: Mapping[str, Any] | Exception | None) -> bool:
+    """The API server has no claim of this UID any more (an error reading it says nothing)."""
+    if answer is None:
+        return True
+    if isinstance(answer, Exception):
+        return False
+    return bool((answer.get("metadata") or {}).get("uid") != ref.uid)
+
+
+def _parent(device: Device) -> str | None:
+    """The physical device a partition is cut from, when that is not the device itself."""
+    parent = device.extra.get("parent")
+    return str(parent) if parent is not None and str(parent) != device.id else None
 
 
 def _spec_present(claim: PreparedClaim) -> bool:

@@ -160,6 +160,21 @@ class ConfigWarner(Protocol):
 
 
 @runtime_checkable
+class PartitionReclaimer(Protocol):
+    """A Partitioner whose partitions live in the hardware beyond the process that made them (dynamic MIG):
+    it can destroy one that exists although nothing recorded making it (the process was killed inside
+    ``realize``, before the DRA driver could write the handle down), from the device alone.
+
+    ``reclaim`` is asked only for devices the driver wrote down, before ``realize``, that it was about to make
+    (so it never destroys a partition someone else made), and only once no prepared claim holds them. It
+    destroys whatever partition exists at exactly each device's placement and profile, returns a short
+    description of each one destroyed (for the log), and is idempotent: nothing there is not an error.
+    Blocks (a worker thread)."""
+
+    def reclaim(self, devices: Sequence[Device]) -> Sequence[str]: ...
+
+
+@runtime_checkable
 class Wrapper(Protocol):
     """Decorates another backend (CDI, fractional sharing): ``inner`` is the one it wraps."""
 

@@ -10,8 +10,8 @@ Node side, on a resource of the daemon's config (the count resource is the resou
           memoryScaling: 1.0         # > 1 overcommits memory
           coreScaling: 1.0           # > 1 overcommits cores
           nodeName: null             # default: $NODE_NAME
-          signingKey: {configMap: kxpu-system/kxpu-verify-keys}   # or {secret: ns/name} or {file: /etc/kxpu/keys}
-          extraKeys: []              # more sources (the HMAC Secret during the upgrade from HMAC)
+          signingKey: {configMap: kxpu-system/kxpu-verify-keys}   # the default; or {secret: ns/name} or {file: ...}
+          extraKeys: []              # more sources (during the upgrade from HMAC: {secret: ns/name, hmac: true})
           lockNamespace: kxpu-system # the per-node lock Leases
           visibleDevicesEnv: KXPU_VISIBLE_DEVICES
           memoryLimitEnv: CUDA_DEVICE_MEMORY_LIMIT_{i}
@@ -32,15 +32,16 @@ Control plane (``kxpu scheduler --config`` and ``kxpu webhook --config``)::
     nodePolicy: binpack
     devicePolicy: spread
     schedulerName: kxpu-scheduler
-    signingKey: {file: /etc/kxpu/signing/keys}     # an Ed25519 private key (PEM); or HMAC keys
-    extraKeys: []                    # more key sources, verify only unless no earlier key can sign
-    publicKeysConfigMap: kxpu-system/kxpu-verify-keys   # where the nodes read the public keys
+    signingKey: {secret: kxpu-system/kxpu-signing-ed25519, generate: true}   # the default: made on first start
+    extraKeys: []                    # more key sources, verify only unless no earlier key can sign (HMAC: hmac: true)
+    publicKeysConfigMap: kxpu-system/kxpu-verify-keys   # where the nodes read the public keys (the default)
     nodeLock: lease                  # or annotation (the Node object; before this release)
     lockNamespace: kxpu-system
     lockTimeoutSeconds: 60           # a lock whose pod was never bound expires after this
     lockHardExpirySeconds: 600       # a bound pod never admitted (kubelet down) is failed after this
     inventoryStaleSeconds: 120
-    trustedUsers: [system:serviceaccount:kxpu-system:kxpu-scheduler, system:serviceaccount:kxpu-system:kxpu-node]
+    trustedUsers: [system:serviceaccount:kxpu-system:kxpu-scheduler]   # may change kxpu's pod annotations
+    nodeUsers: [system:serviceaccount:kxpu-system:kxpu-node]     # may only mark pods bound to a node allocated
 """
 
 from __future__ import annotations
@@ -73,14 +74,26 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
 
+DEFAULT_ED25519_SECRET = "kxpu-system/kxpu-signing-ed25519"
+DEFAULT_VERIFY_KEYS = "kxpu-system/kxpu-verify-keys"
+
+
 class KeySource(_Model):
     """Where keys come from (``signing.parse_keyring``'s format): a Secret or ConfigMap (``namespace/name``,
-    read through the API) or a file (a mounted Secret)."""
+    read through the API) or a file (a mounted Secret).
+
+    Ed25519 keys only, unless ``hmac: true`` names the source as holding HMAC keys (shared secrets: every
+    holder could sign; only for the upgrade from HMAC). ``generate: true`` (a Secret, the extender only): if
+    the Secret does not exist, the extender creates it with a new key (Ed25519, or HMAC with ``hmac``), so no
+    key is ever rendered by a chart or kept in its release history.
+    """
 
     secret: str | None = None
     config_map: str | None = None
     field: str = "keys"
     file: Path | None = None
+    hmac: bool = False
+    generate: bool = False
 
     @model_validator(mode="after")
     def _one(self) -> KeySource:
@@ -88,6 +101,8 @@ class KeySource(_Model):
             raise ValueError(
                 "set exactly one of secret (namespace/name), configMap (namespace/name) and file"
             )
+        if self.generate and self.secret is None:
+            raise ValueError("generate: true needs a secret (namespace/name) to create")
         for kind, ref in (("secret", self.secret), ("configMap", self.config_map)):
             if ref is not None and ref.count("/") != 1:
                 raise ValueError(f"{kind} {ref!r} must be namespace/name")
@@ -125,7 +140,9 @@ class SharingConfig(_Model):
     memory_scaling: float = Field(default=1.0, gt=0, le=100)
     core_scaling: float = Field(default=1.0, gt=0, le=100)
     node_name: str | None = None
-    signing_key: KeySource = Field(default_factory=lambda: KeySource(secret="kxpu-system/kxpu-signing-key"))
+    # the extender's Ed25519 public keys, as it publishes them (publicKeysConfigMap); HMAC only when a source
+    # says hmac: true
+    signing_key: KeySource = Field(default_factory=lambda: KeySource(config_map=DEFAULT_VERIFY_KEYS))
     # more key sources, joined after signingKey (during the upgrade from HMAC: the old HMAC Secret and the
     # extender's public keys); a node never accepts a private key
     extra_keys: list[KeySource] = Field(default_factory=list)
@@ -139,6 +156,14 @@ class SharingConfig(_Model):
     publish_interval_seconds: float = Field(default=30.0, gt=0)
     allocate_timeout_seconds: float = Field(default=10.0, gt=0)
     max_assignment_age_seconds: float = Field(default=600.0, gt=0)
+
+    @field_validator("signing_key", "extra_keys")
+    @classmethod
+    def _no_generate(cls, value: KeySource | list[KeySource]) -> KeySource | list[KeySource]:
+        for source in value if isinstance(value, list) else [value]:
+            if source.generate:
+                raise ValueError("generate: true is for the extender's signing key; nodes only read keys")
+        return value
 
     @field_validator("memory_limit_env")
     @classmethod
@@ -181,11 +206,14 @@ class ControlPlaneConfig(_Model):
     node_policy: Policy = Policy.BINPACK
     device_policy: Policy = Policy.SPREAD
     scheduler_name: str = "kxpu-scheduler"
-    signing_key: KeySource = Field(default_factory=lambda: KeySource(secret="kxpu-system/kxpu-signing-key"))
+    # an Ed25519 private key in a Secret the extender creates on first start (generate) and reads afterwards
+    signing_key: KeySource = Field(
+        default_factory=lambda: KeySource(secret=DEFAULT_ED25519_SECRET, generate=True)
+    )
     # more key sources, joined after signingKey: the first key that can sign signs, all verify
     extra_keys: list[KeySource] = Field(default_factory=list)
     # the ConfigMap (namespace/name) where the extender publishes its Ed25519 public keys for the nodes
-    public_keys_config_map: str | None = None
+    public_keys_config_map: str | None = DEFAULT_VERIFY_KEYS
     # lease: one coordination.k8s.io Lease per node and family in lockNamespace (nodes that publish
     # kxpu.io/lock-protocol: lease; others keep the annotation); annotation: the Node annotation only
     node_lock: Literal["lease", "annotation"] = "lease"
@@ -193,14 +221,13 @@ class ControlPlaneConfig(_Model):
     lock_timeout_seconds: float = Field(default=60.0, gt=0)
     lock_hard_expiry_seconds: float = Field(default=600.0, gt=0)
     inventory_stale_seconds: float = Field(default=120.0, gt=0)
-    # who may change kxpu's pod annotations (the webhook denies everyone else): the extender's and
-    # the node daemon's service accounts
+    # who may change kxpu's pod annotations and label (the webhook denies everyone else): the extender
     trusted_users: list[str] = Field(
-        default_factory=lambda: [
-            "system:serviceaccount:kxpu-system:kxpu-scheduler",
-            "system:serviceaccount:kxpu-system:kxpu-node",
-        ]
+        default_factory=lambda: ["system:serviceaccount:kxpu-system:kxpu-scheduler"]
     )
+    # the node daemon's service account: may only set the allocated mark, on pods bound to a node (its own,
+    # when its token names it)
+    node_users: list[str] = Field(default_factory=lambda: ["system:serviceaccount:kxpu-system:kxpu-node"])
 
     # env names (globs) a shared container may not set itself; the webhook denies them
     protected_env: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECTED_ENV))

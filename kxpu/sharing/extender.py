@@ -48,8 +48,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from kxpu.logs import get_logger
+from kxpu.sharing import bounds, probes
 from kxpu.sharing import extender_metrics as metrics
-from kxpu.sharing import probes
 from kxpu.sharing.config import ControlPlaneConfig
 from kxpu.sharing.lock import LockError, NodeLock
 from kxpu.sharing.scheduler import LockBusy, PodRef, Scheduler, SchedulerAPI
@@ -92,14 +92,45 @@ def _scores_json(scores: Sequence[tuple[str, int]]) -> web.Response:
     return web.Response(body=f"[{body}]".encode(), content_type="application/json")
 
 
+MAX_BODY_BYTES = 64 * 1024 * 1024  # nodeCacheCapable false sends every Node object
+BODY_BUDGET_BYTES = 2 * MAX_BODY_BYTES
+REQUEST_TIMEOUT_S = 30.0  # kube-scheduler's extender httpTimeout in the chart
+MAX_CONNECTIONS = 64  # kube-scheduler beside it keeps a few
+
+
 async def _args(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object, bounded as ``kxpu.sharing.bounds`` describes (one-line 4xx otherwise)."""
+    app = request.app
     try:
-        data = json.loads(await request.read())
-    except ValueError as exc:
-        raise web.HTTPBadRequest(text=f"not JSON: {exc}") from None
+        raw, reserved = await bounds.read_body(request, MAX_BODY_BYTES, app[BUDGET], REQUEST_TIMEOUT_S)
+        try:
+            if len(raw) > bounds.INLINE_BYTES:
+                data = await app[PARSER].run(lambda: bounds.parse_json(raw))
+            else:
+                data = bounds.parse_json(raw)
+        finally:
+            app[BUDGET].release(reserved)
+    except bounds.BodyError as exc:
+        log.info("refused a request", path=request.path, status=exc.status, error=str(exc))
+        raise _http_error(exc) from None
     if not isinstance(data, dict):
         raise web.HTTPBadRequest(text="expected a JSON object")
     return data
+
+
+def _http_error(exc: bounds.BodyError) -> web.HTTPError:
+    if exc.status == 413:
+        return web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, MAX_BODY_BYTES + 1, text=str(exc))
+    kinds: dict[int, type[web.HTTPError]] = {
+        408: web.HTTPRequestTimeout,
+        503: web.HTTPServiceUnavailable,
+    }
+    return kinds.get(exc.status, web.HTTPBadRequest)(text=str(exc))
+
+
+BUDGET = web.AppKey("budget", bounds.BodyBudget)
+PARSER = web.AppKey("parser", bounds.Parser)
+GUARD = web.AppKey("guard", list)
 
 
 def _field(args: dict[str, Any], name: str) -> Any:
@@ -200,7 +231,19 @@ def make_app(scheduler: Scheduler, ready: Callable[[], bool] = lambda: True) -> 
     async def readyz(request: web.Request) -> web.Response:
         return web.Response(text="ok") if ready() else web.Response(text="caches not synced", status=503)
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)  # nodeCacheCapable false sends every node
+    guard: list[bounds.ConnectionGuard] = []  # set by serve()'s GuardedSite
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES,
+        middlewares=[bounds.guard_middleware(lambda: guard[0] if guard else None)],
+    )
+    app[BUDGET] = bounds.BodyBudget(BODY_BUDGET_BYTES)
+    app[PARSER] = bounds.Parser()
+    app[GUARD] = guard
+
+    async def close_parser(app: web.Application) -> None:
+        app[PARSER].close()
+
+    app.on_cleanup.append(close_parser)
     app.router.add_post("/filter", filter_)
     app.router.add_post("/prioritize", prioritize)
     app.router.add_post("/bind", bind)
@@ -336,10 +379,21 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
     scheduler = Scheduler(state, families, keys.current, api, config.node_policy, config.device_policy)
     metrics.CACHE.state = state
     metrics.CACHE.ready = lambda: informer.ready
-    runner = web.AppRunner(make_app(scheduler, lambda: informer.ready), access_log=None)
+    app = make_app(scheduler, lambda: informer.ready)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = probes.parse_listen(address)
-    await web.TCPSite(runner, host, port).start()
+    if host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning(
+            "the extender's API (it binds pods) listens beyond loopback, unauthenticated; "
+            "only kube-scheduler should reach it",
+            address=address,
+        )
+    site = bounds.GuardedSite(
+        runner, host, port, max_connections=MAX_CONNECTIONS, request_timeout_s=REQUEST_TIMEOUT_S
+    )
+    app[GUARD].append(site.guard)
+    await site.start()
     log.info("scheduler extender listening", address=address, families=[f.count for f in families])
     probe_runner: web.AppRunner | None = None
     if metrics_address:

@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kxpu.sharing.placement import check_pod_names
+
 LOCK_PREFIX = "kxpu.io/lock."
 # On pods whose devices kxpu assigns: set by the webhook at admission (by the extender at bind if the
 # webhook did not; before this release, only then, hence the name). The extender's pod watch selects on
@@ -112,9 +114,14 @@ class NodeLock:
 
     @classmethod
     def decode(cls, text: str) -> NodeLock:
+        """Parse a lock; its pod's names are checked as the API server checks them, since they go into API paths
+        (a lock is written by the extender, but node identities can reach the objects that hold it)."""
         try:
             doc = json.loads(text)
             namespace, _, name = str(doc["pod"]).partition("/")
+            bad = check_pod_names(namespace, name)
+            if bad:
+                raise ValueError(bad)
             return cls(
                 namespace,
                 name,

@@ -7,6 +7,11 @@ filter's work and the next replica of a Deployment reuses every fit on nodes tha
 change. Bind decides again — authoritatively, under a per-node mutex and
 against usage that includes earlier binds — because kube-scheduler filters the next pod
 while it still binds the previous one.
+
+Bind trusts nothing a request carried but the names it checks (``placement.check_names``): the
+pod is read from the API server (the body sent to filter could say anything), its UID must be
+the one asked for, it must ask for shared devices, and the node must be one it may run on
+(``placement.why_not_on``); the grant is fitted to what the pod itself requests.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kxpu.sharing.fit import Misfit, fit_pod, fit_scorer
 from kxpu.sharing.lock import ASSIGNED_POD_LABEL
 from kxpu.sharing.lock import BIND_PHASE_ANNOTATION as BIND_PHASE_ANNOTATION  # re-exported
 from kxpu.sharing.model import Assignment, PodRequest, Policy
+from kxpu.sharing.placement import check_names, why_not_on
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod
 from kxpu.sharing.signing import (
     ASSIGNMENT_ANNOTATION,
@@ -39,7 +45,6 @@ from kxpu.sharing.state import ClusterState
 log = get_logger("kxpu.sharing.scheduler")
 
 _MEMO_SHAPES = 8
-_FILTERED_PODS = 4096  # pods kept from filter for their bind (kube-scheduler binds right after)
 _UNKNOWN = Misfit("node unknown to the kxpu scheduler (no inventory seen)")
 
 
@@ -103,8 +108,6 @@ class Scheduler:
         self.clock = clock
         self._memo: OrderedDict[tuple[PodRequest, ...], dict[str, tuple[int, float | Misfit]]] = OrderedDict()
         self._node_mutex: dict[str, asyncio.Lock] = {}
-        # uid → the pod as kube-scheduler sent it to filter: bind reads it here instead of from the API
-        self._filtered: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
 
     def requests(self, pod: Mapping[str, Any]) -> list[PodRequest]:
@@ -150,14 +153,6 @@ class Scheduler:
             out.append(result)
         return out
 
-    def _remember(self, pod: Mapping[str, Any]) -> None:
-        uid = (pod.get("metadata") or {}).get("uid")
-        if uid:
-            self._filtered[str(uid)] = pod
-            self._filtered.move_to_end(str(uid))
-            while len(self._filtered) > _FILTERED_PODS:
-                self._filtered.popitem(last=False)
-
     def filter(self, pod: Mapping[str, Any], nodes: Sequence[str]) -> FilterResult:
         try:
             requests = self.requests(pod)
@@ -165,7 +160,6 @@ class Scheduler:
             return FilterResult([], {}, dict.fromkeys(nodes, str(exc)), error="")
         if not requests:
             return FilterResult(list(nodes), {}, {})
-        self._remember(pod)
         passed: list[str] = []
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
@@ -217,31 +211,35 @@ class Scheduler:
         )
 
     async def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
-        """Bind with a signed assignment; '' on success, else the error kube-scheduler shows."""
+        """Bind with a signed assignment; '' on success, else the error kube-scheduler shows (one line)."""
         if self.api is None:
             return "the extender has no API client to bind with"
+        bad = check_names(namespace, name, node)
+        if bad:
+            return f"bind refused: {bad}"
+        if not uid:
+            return "bind refused: PodUID is empty (kube-scheduler always sends the pod's UID)"
         ref = PodRef(namespace, name, uid)
-        pod = self._filtered.pop(uid, None) if uid else None
-        meta = (pod or {}).get("metadata") or {}
-        if pod is None or (meta.get("namespace"), meta.get("name")) != (namespace, name):
-            # Not filtered by us since this extender started, or a retry of a bind that took filter's copy
-            # (or an odd request): read it. The copy from filter is as good: requests are immutable, an edit
-            # of the placement annotations between filter and bind races either way, and a pod deleted or
-            # re-created meanwhile fails the Binding's UID precondition.
-            try:
-                pod = await self.api.get_pod(namespace, name)
-            except Exception as exc:
-                return f"cannot read pod {ref}: {exc}"
+        # Always the API server's pod: what /filter was sent is whatever its caller wrote.
+        try:
+            pod = await self.api.get_pod(namespace, name)
+        except Exception as exc:
+            return f"cannot read pod {ref}: {str(exc)[:300]}"
         actual_uid = str((pod.get("metadata") or {}).get("uid", ""))
-        if uid and actual_uid != uid:
+        if actual_uid != uid:
             return f"pod {ref} was replaced (UID {actual_uid}, binding asked for {uid})"
-        ref = PodRef(namespace, name, actual_uid)
         bound_to = (pod.get("spec") or {}).get("nodeName")
         if bound_to:
             # kube-scheduler retries a bind whose answer it gave up waiting for, though it may have succeeded
             if self._earlier_bind(pod, node) is not None:
                 return ""
             return f"pod {ref} is already bound to {bound_to}"
+        facts = self.state.node_facts(node)
+        if facts is None:
+            return f"bind refused: node {node} is unknown to the kxpu scheduler (no such sharing node)"
+        why = why_not_on(pod, node, facts)
+        if why:
+            return f"bind refused: pod {ref} may not run on {node}: {why}"
         mutex = self._node_mutex.setdefault(node, asyncio.Lock())
         async with mutex:
             try:
@@ -249,11 +247,8 @@ class Scheduler:
             except RequestError as exc:
                 return f"pod {ref}: {exc}"
             if decision is None:
-                try:
-                    await self.api.bind(ref, node)
-                except Exception as exc:
-                    return f"binding {ref} to {node} failed: {exc}"
-                return ""
+                # kube-scheduler sends only pods asking for managed resources: anything else is not its request
+                return f"bind refused: pod {ref} asks for no shared devices; kxpu binds only pods that do"
             if isinstance(decision, Misfit):
                 return f"pod {ref} no longer fits {node}: {decision.reason}"
             labelled = ((pod.get("metadata") or {}).get("labels") or {}).get(ASSIGNED_POD_LABEL) == "true"

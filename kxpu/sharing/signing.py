@@ -159,10 +159,13 @@ def as_keyring(keys: Keys) -> Keyring:
     return keys if isinstance(keys, Keyring) else Keyring.hmac_only(keys)
 
 
-def parse_keyring(text: str | bytes, *, private_ok: bool = True, where: str = "keys") -> Keyring:
+def parse_keyring(
+    text: str | bytes, *, private_ok: bool = True, where: str = "keys", hmac_ok: bool = True
+) -> Keyring:
     """Keys from a Secret entry, ConfigMap entry or file (module docstring): PEM blocks and HMAC lines.
 
     ``private_ok=False`` (the node side) refuses a private key: nodes verify with public keys only.
+    ``hmac_ok=False`` refuses HMAC lines: a source must be named as holding HMAC keys (``hmac: true``).
     Errors name ``where`` and the entry, never key bytes.
     """
     raw = text.encode() if isinstance(text, str) else text
@@ -180,6 +183,11 @@ def parse_keyring(text: str | bytes, *, private_ok: bool = True, where: str = "k
         raise ValueError(f"{where}: a PEM block has no matching END line")
     for n, (_, entry, label) in enumerate(sorted(entries, key=lambda e: e[0])):
         if label is None:
+            if not hmac_ok:
+                raise ValueError(
+                    f"{where}: entry {n} is an HMAC key, but this source is not marked hmac: true "
+                    "(an HMAC key lets every holder sign; name it only for the upgrade from HMAC)"
+                )
             if len(entry) < MIN_KEY_BYTES:
                 raise ValueError(
                     f"{where}: entry {n} (an HMAC key) is {len(entry)} bytes; at least {MIN_KEY_BYTES} are needed"

@@ -19,6 +19,7 @@ from kxpu.sharing import inventory
 from kxpu.sharing.fit import NodeState
 from kxpu.sharing.lock import LOCK_PROTOCOL_ANNOTATION, lock_key
 from kxpu.sharing.model import Assignment, NodeInventory
+from kxpu.sharing.placement import NodeFacts
 
 log = get_logger("kxpu.sharing.state")
 
@@ -62,6 +63,8 @@ class ClusterState:
         self._lease_nodes: set[str] = set()  # nodes whose daemon reads lock Leases (kxpu.io/lock-protocol)
         # node → resource → (the lock Lease's resourceVersion, lock text or None), as last seen
         self._leases: dict[str, dict[str, tuple[str, str | None]]] = {}
+        # node → labels, taints, cordon, as the node watch last saw them (bind checks the pod may run there)
+        self._facts: dict[str, NodeFacts] = {}
         self.generation = 0  # moves on every change of any node's devices or usage
         self._retired_version = 0  # the highest version a removed node reached
 
@@ -139,7 +142,20 @@ class ClusterState:
             entry = self._nodes[name] = _NodeEntry(NodeState(name, version=self._retired_version + 1), {}, {})
         return entry
 
+    def set_node_facts(self, name: str, facts: NodeFacts) -> None:
+        self._facts[name] = facts
+
+    def node_facts(self, name: str) -> NodeFacts | None:
+        """The node's labels, taints and cordon; None if the node is unknown (never seen, or gone).
+
+        A node given only an inventory (tests, benchmarks) has no labels, taints or cordon."""
+        facts = self._facts.get(name)
+        if facts is None and name in self._nodes:
+            return NodeFacts()
+        return facts
+
     def remove_node(self, name: str) -> None:
+        self._facts.pop(name, None)
         entry = self._nodes.pop(name, None)
         if entry is not None:
             self._retired_version = max(self._retired_version, entry.state.version)

@@ -50,14 +50,14 @@ import fnmatch
 import json
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from kxpu.logs import get_logger
-from kxpu.sharing import probes
+from kxpu.sharing import bounds, probes
 from kxpu.sharing import webhook_metrics as metrics
 from kxpu.sharing.config import DEFAULT_PROTECTED_ENV
 from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, BIND_PHASE_ANNOTATION, LOCK_PREFIX
@@ -67,6 +67,8 @@ from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION
 log = get_logger("kxpu.sharing.webhook")
 
 DEFAULT_SCHEDULER = "default-scheduler"
+# userInfo.extra of a bound service-account token issued for a pod: the node that pod runs on
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 _RESERVED_EXACT = frozenset({ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION, BIND_PHASE_ANNOTATION})
 
 
@@ -126,17 +128,53 @@ def mutate(
     return ops
 
 
+def node_may_write(annotation: str, value: str | None) -> bool:
+    """Whether the node daemon may set ``annotation`` to ``value`` on a pod: its allocated mark, nothing else."""
+    if annotation.startswith(ALLOCATED_PREFIX):
+        return value is not None
+    return annotation == BIND_PHASE_ANNOTATION and value == "allocated"
+
+
+def _node_update(
+    request: Mapping[str, Any], changed: Sequence[str], annotations: Mapping[str, str]
+) -> str | None:
+    """Why a node daemon's change of kxpu's annotations is denied (None: it only marks its own pod allocated)."""
+    beyond = [a for a in changed if not node_may_write(a, annotations.get(a))]
+    if beyond:
+        return (
+            f"the kxpu node daemon may only set {ALLOCATED_PREFIX}* and {BIND_PHASE_ANNOTATION}=allocated, "
+            f"not change {', '.join(beyond)}"
+        )
+    old_spec = (request.get("oldObject") or {}).get("spec") or {}
+    bound = str(old_spec.get("nodeName") or "")
+    if not bound:
+        return "the kxpu node daemon may only mark pods bound to a node"
+    extra = (request.get("userInfo") or {}).get("extra") or {}
+    claimed = extra.get(NODE_NAME_EXTRA) if isinstance(extra, dict) else None
+    if isinstance(claimed, list) and claimed and bound not in claimed:
+        shown = ", ".join(str(c)[:253] for c in claimed[:2])
+        return f"the kxpu node daemon of node {shown} may not mark a pod bound to node {bound[:253]}"
+    return None
+
+
 def validate(
     request: Mapping[str, Any],
     families: Sequence[ResourceFamily],
     trusted_users: Sequence[str],
     scheduler_name: str | None = None,
     protected_env: Sequence[str] = DEFAULT_PROTECTED_ENV,
+    node_users: Sequence[str] = (),
 ) -> str | None:
-    """Why an admission request must be denied (None: allowed)."""
+    """Why an admission request must be denied (None: allowed).
+
+    ``trusted_users`` (the extender) may change kxpu's annotations and label; ``node_users`` (the node
+    daemon) only set the allocated mark, on a pod bound to a node (its own node, when its token names one).
+    """
     pod = request.get("object") or {}
     old = request.get("oldObject") or {}
     user = str((request.get("userInfo") or {}).get("username", ""))
+    if user in node_users:  # listed as trusted too (an older config): still only the node daemon's rights
+        trusted_users = [u for u in trusted_users if u != user]
     operation = request.get("operation")
     annotations: Mapping[str, str] = (pod.get("metadata") or {}).get("annotations") or {}
     old_annotations: Mapping[str, str] = (old.get("metadata") or {}).get("annotations") or {}
@@ -157,7 +195,11 @@ def validate(
                 for a in set(annotations) | set(old_annotations)
                 if reserved(a) and annotations.get(a) != old_annotations.get(a)
             )
-            if changed:
+            if changed and user in node_users:
+                why = _node_update(request, changed, annotations)
+                if why:
+                    return why
+            elif changed:
                 return f"only the kxpu scheduler and node daemon may change {', '.join(changed)}"
     if operation != "CREATE" or not _asks(pod, families):
         return None
@@ -210,23 +252,41 @@ def _review(
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
 
 
+MAX_BODY_BYTES = 3 * 1024 * 1024 + 256 * 1024
+# The API server stores a pod of at most 1.5 MiB (etcd's default request limit); an UPDATE review carries the
+# pod and its old copy, so 3 MiB of pods plus the review's envelope. Anything larger is no review from it.
+BODY_BUDGET_BYTES = 16 * 1024 * 1024  # large bodies in flight at once: well under the chart's 256 Mi limit
+REQUEST_TIMEOUT_S = 10.0  # headers, then body, each within this; the API server gives up after 5 s (chart)
+# Each TLS connection holds asyncio's 256 KiB buffer: 128 are 32 MiB. One client address (a pod) gets half,
+# so it cannot take every connection from the API server.
+MAX_CONNECTIONS = 128
+MAX_PER_PEER = 64
+
+
 def make_app(
     families: Sequence[ResourceFamily],
     scheduler_name: str,
     trusted_users: Sequence[str] = (),
     protected_env: Sequence[str] = DEFAULT_PROTECTED_ENV,
+    node_users: Sequence[str] = (),
+    *,
+    max_body: int = MAX_BODY_BYTES,
+    body_budget: int = BODY_BUDGET_BYTES,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> web.Application:
-    async def body(request: web.Request) -> dict[str, Any]:
-        try:
-            review = json.loads(await request.read())
-        except ValueError as exc:
-            raise web.HTTPBadRequest(text=f"not JSON: {exc}") from None
+    """The admission app; bodies are bounded as ``kxpu.sharing.bounds`` describes."""
+    budget = bounds.BodyBudget(body_budget)
+    parser = bounds.Parser()
+    guard: list[bounds.ConnectionGuard] = []  # set by serve()'s GuardedSite
+
+    def body(raw: bytes) -> dict[str, Any]:
+        review = bounds.parse_json(raw)
         inner = review.get("request") if isinstance(review, dict) else None
         if not isinstance(inner, dict):
-            raise web.HTTPBadRequest(text="expected an AdmissionReview with a request")
+            raise bounds.BodyError(400, "expected an AdmissionReview with a request")
         for field in ("kind", "userInfo"):
             if not isinstance(inner.get(field) or {}, dict):
-                raise web.HTTPBadRequest(text=f"request.{field}: expected an object")
+                raise bounds.BodyError(400, f"request.{field}: expected an object")
         return inner
 
     def malformed(review: dict[str, Any]) -> str | None:
@@ -240,8 +300,8 @@ def make_app(
                 return f"malformed request.{field}: {exc}"
         return None
 
-    async def mutate_(request: web.Request) -> web.Response:
-        review = await body(request)
+    def mutate_(raw: bytes) -> dict[str, Any]:
+        review = body(raw)
         started = time.perf_counter()
         if (review.get("kind") or {}).get("kind") != "Pod" or review.get("operation") != "CREATE":
             return _answer("mutate", started, _review(review, True), "allowed", "not-a-pod-create")
@@ -254,35 +314,68 @@ def make_app(
             return _answer("mutate", started, _review(review, True, patch=patch), "patched", "shared-devices")
         return _answer("mutate", started, _review(review, True), "allowed", "no-change")
 
-    async def validate_(request: web.Request) -> web.Response:
-        review = await body(request)
+    def validate_(raw: bytes) -> dict[str, Any]:
+        review = body(raw)
         started = time.perf_counter()
         if (review.get("kind") or {}).get("kind") != "Pod":
             return _answer("validate", started, _review(review, True), "allowed", "not-a-pod")
         bad = malformed(review)
         if bad:
             return _answer("validate", started, _review(review, False, bad), "denied", "malformed")
-        reason = validate(review, families, trusted_users, scheduler_name, protected_env)
+        reason = validate(review, families, trusted_users, scheduler_name, protected_env, node_users)
         if reason:
             log.info("denied", pod=_name(review), reason=reason)
             answer = _review(review, False, reason)
             return _answer("validate", started, answer, "denied", metrics.reason_of(reason))
         return _answer("validate", started, _review(review, True), "allowed", "valid")
 
+    def endpoint(
+        name: str, work: Callable[[bytes], dict[str, Any]]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
+            reserved = 0
+            try:
+                raw, reserved = await bounds.read_body(request, max_body, budget, request_timeout_s)
+                # large: parsed and answered on the worker thread, so small reviews keep being answered
+                answer = await parser.run(lambda: work(raw)) if len(raw) > bounds.INLINE_BYTES else work(raw)
+            except bounds.BodyError as exc:
+                metrics.REFUSED.labels(name, str(exc.status)).inc()
+                log.info("refused a request", webhook=name, status=exc.status, error=str(exc))
+                return web.Response(status=exc.status, text=str(exc))
+            finally:
+                budget.release(reserved)
+            return web.Response(body=json.dumps(answer).encode(), content_type="application/json")
+
+        return handle
+
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    app = web.Application(client_max_size=8 * 1024 * 1024)
-    app.router.add_post("/mutate", mutate_)
-    app.router.add_post("/validate", validate_)
+    async def close_parser(app: web.Application) -> None:
+        parser.close()
+
+    # read_body enforces the limit itself; aiohttp's own check (client_max_size) would only apply to read()
+    app = web.Application(
+        client_max_size=max_body,
+        middlewares=[bounds.guard_middleware(lambda: guard[0] if guard else None)],
+    )
+    app[GUARD] = guard
+    app.on_cleanup.append(close_parser)
+    app.router.add_post("/mutate", endpoint("mutate", mutate_))
+    app.router.add_post("/validate", endpoint("validate", validate_))
     app.router.add_get("/healthz", healthz)
     return app
 
 
-def _answer(webhook: str, started: float, review: dict[str, Any], verdict: str, reason: str) -> web.Response:
+GUARD = web.AppKey("guard", list)
+
+
+def _answer(
+    webhook: str, started: float, review: dict[str, Any], verdict: str, reason: str
+) -> dict[str, Any]:
     metrics.ADMISSIONS.labels(webhook, verdict, reason).inc()
     metrics.ADMISSION_SECONDS.labels(webhook).observe(time.perf_counter() - started)
-    return web.json_response(review)
+    return review
 
 
 def _name(review: Mapping[str, Any]) -> str:
@@ -342,13 +435,25 @@ async def serve(
     key: Path,
     metrics_address: str = "",
     protected_env: Sequence[str] = DEFAULT_PROTECTED_ENV,
+    node_users: Sequence[str] = (),
 ) -> None:
     """Serve HTTPS on ``address`` (and plain-HTTP metrics and probes on ``metrics_address``) until cancelled."""
     tls = ReloadingTLS(cert, key)
-    runner = web.AppRunner(make_app(families, scheduler_name, trusted_users, protected_env), access_log=None)
+    app = make_app(families, scheduler_name, trusted_users, protected_env, node_users)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=REQUEST_TIMEOUT_S)
     await runner.setup()
-    host, _, port = address.rpartition(":")
-    await web.TCPSite(runner, host or "0.0.0.0", int(port), ssl_context=tls.context).start()
+    host, port = probes.parse_listen(address)
+    site = bounds.GuardedSite(
+        runner,
+        host,
+        port,
+        ssl_context=tls.context,
+        max_connections=MAX_CONNECTIONS,
+        max_per_peer=MAX_PER_PEER,
+        request_timeout_s=REQUEST_TIMEOUT_S,
+    )
+    app[GUARD].append(site.guard)
+    await site.start()
     log.info("admission webhook listening", address=address, scheduler=scheduler_name)
     probe_runner: web.AppRunner | None = None
     if metrics_address:

@@ -31,14 +31,28 @@ TLS_RELOADS = Counter(
     ["result"],
 )
 
+REFUSED = Counter(
+    "kxpu_webhook_refused_requests",
+    "Requests refused before any review (body too large or slow, not JSON, nested too deeply, too many large "
+    "bodies at once), by webhook and HTTP status",
+    ["webhook", "status"],
+)
+
 METRIC_NAMES = frozenset(
-    {"kxpu_webhook_admissions", "kxpu_webhook_admission_duration_seconds", "kxpu_webhook_tls_reloads"}
+    {
+        "kxpu_webhook_admissions",
+        "kxpu_webhook_admission_duration_seconds",
+        "kxpu_webhook_tls_reloads",
+        "kxpu_webhook_refused_requests",
+    }
 )
 
 
 def reason_of(message: str) -> str:
     """A denial message's category: reserved-annotations, privileged, node-name or invalid-request."""
-    if "kxpu's own annotations" in message or message.startswith("only the kxpu scheduler"):
+    if "kxpu's own annotations" in message or message.startswith(
+        ("only the kxpu scheduler", "the kxpu node daemon")
+    ):
         return "reserved-annotations"
     if "is privileged" in message:
         return "privileged"

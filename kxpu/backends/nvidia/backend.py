@@ -698,6 +698,23 @@ class NvidiaBackend(Backend):
         if errors:
             raise BackendError("; ".join(errors))
 
+    def reclaim(self, devices: Sequence[Device]) -> list[str]:
+        """PartitionReclaimer: destroy the MIG instance at each placement, made by a realize whose process died
+        before the DRA driver recorded it. Blocks."""
+        destroyed: list[str] = []
+        with self._nvml_lock:
+            if not self._initialized:
+                raise BackendError("NVML is not initialized (the backend is closed or has no driver)")
+            for device in devices:
+                p = self._placement_by_id.get(device.id)
+                if p is None:
+                    continue
+                what = self._mig_maker.reclaim(p)
+                if what is not None:
+                    destroyed.append(what)
+                    self._realized.pop(p.id, None)
+        return destroyed
+
     def _destroy(self, handles: Sequence[Mapping[str, str | int]]) -> list[str]:
         by_uuid = {g.uuid: g for g in self.inventory.gpus}
         errors = []

@@ -14,6 +14,10 @@ never allocates two placements that overlap, nor two ``+me`` profiles that would
 (``nvmlDeviceCreateGpuInstanceWithPlacement``, ``nvmlGpuInstanceCreateComputeInstance``) and returns the
 device with its MIG device UUID; ``release`` destroys the compute instance, then the GPU instance. An
 instance already gone is released; one whose ID now names another profile or placement is left alone.
+
+``reclaim`` destroys the instance at a placement without a handle: what a daemon killed inside ``realize``
+leaves (the GPU keeps its instances; the handle was never written down). The DRA driver asks it only for
+placements it recorded, before creating them, that no prepared claim holds (``PartitionReclaimer``).
 """
 
 from __future__ import annotations
@@ -240,6 +244,46 @@ class MigMaker:
         }
         log.info("MIG device created", device=p.id, uuid=mig.uuid, gi=gi_id, ci=ci_id)
         return mig, handle
+
+    def _at(self, p: Placement) -> tuple[int, Any] | None:
+        """The GPU instance of exactly this profile and placement, with its ID, if one exists."""
+        nvml = self.nvml
+        for gi_id in range(_MAX_GPU_INSTANCE_ID):
+            try:
+                gi = nvml.nvmlDeviceGetGpuInstanceById(p.gpu.handle, gi_id)
+                info = nvml.nvmlGpuInstanceGetInfo(gi)
+            except nvml.NVMLError:
+                continue
+            if int(info.profileId) == p.profile.id and int(info.placement.start) == p.start:
+                return gi_id, gi
+        return None
+
+    def reclaim(self, p: Placement) -> str | None:
+        """Destroy the GPU instance at ``p`` and its compute instances; what was destroyed, or None if there
+        was none. Raises BackendError when NVML refuses (the instance stays; the next reconciliation retries)."""
+        nvml = self.nvml
+        found = self._at(p)
+        if found is None:
+            return None
+        gi_id, gi = found
+        try:
+            for ci_id in range(p.profile.slices):
+                try:
+                    ci = nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+                except nvml.NVMLError as exc:
+                    if is_code(nvml, exc, "NVML_ERROR_NOT_FOUND", "NVML_ERROR_INVALID_ARGUMENT"):
+                        continue
+                    raise
+                nvml.nvmlComputeInstanceDestroy(ci)
+            nvml.nvmlGpuInstanceDestroy(gi)
+        except nvml.NVMLError as exc:
+            if is_code(nvml, exc, "NVML_ERROR_NOT_FOUND"):
+                return None
+            raise BackendError(
+                f"{p.id}: cannot destroy the left-over GPU instance {gi_id} on GPU {p.gpu.index}: {describe(exc)}"
+            ) from None
+        log.info("left-over MIG instance destroyed", device=p.id, gpu=p.gpu.index, gi=gi_id)
+        return f"{p.id} (GPU {p.gpu.index}, GPU instance {gi_id})"
 
     def _left_over(self, p: Placement) -> tuple[Any, Any] | None:
         """A GPU instance of exactly this profile and placement that exists already, with no compute instance or

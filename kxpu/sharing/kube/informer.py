@@ -32,6 +32,7 @@ from kxpu.sharing.lock import (
     lease_name,
 )
 from kxpu.sharing.model import Assignment
+from kxpu.sharing.placement import NodeFacts
 from kxpu.sharing.state import ClusterState
 
 log = get_logger("kxpu.sharing.kube.informer")
@@ -67,7 +68,36 @@ def live_assignment(pod: Any, keys: signing.Keys) -> Assignment | None:
     # would hold devices for nobody, and keep the pod itself from fitting again on a full node.
     if not bound or bound != assignment.node:
         return None
+    beyond = _beyond_request(pod, assignment)
+    if beyond:
+        log.warning("ignoring an assignment the pod does not ask for", pod=f"{meta.namespace}/{meta.name}",
+                    error=beyond)  # fmt: skip
+        return None
     return assignment
+
+
+def _beyond_request(pod: Any, assignment: Assignment) -> str | None:
+    """Why ``assignment`` grants more than the pod's own containers ask for (None: it does not).
+
+    A node only ever allocates what a container requests (the kubelet calls Allocate for the requested count),
+    so devices granted beyond it are used by nobody: counting them would pin them as used. That is what a
+    signature minted with a key nodes no longer accept (an HMAC key a node read before the switch to
+    Ed25519), written on any pod, would otherwise do. The extender's own grants always match the request.
+    """
+    asked: dict[tuple[str, str], int] = {}
+    for container in (pod.spec.containers if pod.spec is not None else None) or []:
+        resources = container.resources
+        for source in (resources.requests, resources.limits) if resources is not None else ():
+            for resource, quantity in (source or {}).items():
+                try:
+                    asked[(container.name, resource)] = int(str(quantity))
+                except ValueError:
+                    continue
+    for c in assignment.containers:
+        count = asked.get((c.container, c.resource), 0)
+        if len(c.devices) > count:
+            return f"container {c.container!r} is granted {len(c.devices)} {c.resource} but asks for {count}"
+    return None
 
 
 def annotations_node(annotations: Any) -> str:
@@ -149,7 +179,7 @@ class Informer:
         async for node in listing:
             name = name_of(node)
             seen.add(name)
-            self.state.set_node(name, annotations_of(node), version_of(node))
+            self._set_node(node)
         for gone in set(self.state.node_names) - seen:
             self.state.remove_node(gone)
         self._mark("nodes")
@@ -161,7 +191,19 @@ class Informer:
             if event == "DELETED":
                 self.state.remove_node(name)
             else:
-                self.state.set_node(name, annotations_of(node), version_of(node))
+                self._set_node(node)
+
+    def _set_node(self, node: Any) -> None:
+        name = name_of(node)
+        self.state.set_node(name, annotations_of(node), version_of(node))
+        spec = node.spec
+        taints = [
+            {"key": t.key or "", "value": t.value or "", "effect": t.effect or ""}
+            for t in ((spec.taints if spec is not None else None) or [])
+        ]
+        labels = dict((node.metadata.labels if node.metadata is not None else None) or {})
+        unschedulable = bool(spec is not None and spec.unschedulable)
+        self.state.set_node_facts(name, NodeFacts(labels, tuple(taints), unschedulable))
 
     async def _sync_pods(self) -> None:
         listing = self.client.list(Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"})

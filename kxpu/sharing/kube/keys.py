@@ -9,11 +9,17 @@ pending: docs/sharing.md) needs no restart.
 The node side (``private_ok=False``) refuses a source holding a private key: nodes verify only.
 The extender publishes the public keys of its keyring (``publish_public_keys``) in a ConfigMap
 the nodes read, so the private key never leaves the extender's pod.
+
+A Secret source with ``generate: true`` that does not exist is created by the extender with a new key
+(``create`` is atomic: of two replicas starting at once, one creates it and the other reads it). The
+key is then never in a chart's output, so a re-render (``helm template`` in a GitOps sync) or an upgrade
+keeps it, and no Helm release revision ever holds it.
 """
 
 from __future__ import annotations
 
 import base64
+import secrets
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,7 +30,7 @@ from lightkube.resources.core_v1 import ConfigMap, Secret
 from kxpu.kube.client import is_status
 from kxpu.logs import get_logger
 from kxpu.sharing.config import KeySource
-from kxpu.sharing.signing import Keyring, parse_keyring
+from kxpu.sharing.signing import Keyring, generate_private_pem, parse_keyring
 
 log = get_logger("kxpu.sharing.kube.keys")
 
@@ -51,26 +57,84 @@ class KeyStore:
 
     async def _read(self, source: KeySource) -> bytes:
         if source.file is not None:
-            return source.file.read_bytes()
+            try:
+                return source.file.read_bytes()
+            except OSError as exc:
+                raise ValueError(f"{source.file}: {exc.strerror}; {self._hint(source)}") from None
         if source.config_map is not None:
             namespace, name = source.config_map_ref
-            cm = await self._client().get(ConfigMap, name, namespace=namespace)
+            try:
+                cm = await self._client().get(ConfigMap, name, namespace=namespace)
+            except ApiError as exc:
+                if not is_status(exc, 404):
+                    raise
+                raise ValueError(
+                    f"configmap {namespace}/{name} does not exist; {self._hint(source)}"
+                ) from None
             text = (cm.data or {}).get(source.field)
             if text is None:
                 raise ValueError(f"configmap {namespace}/{name} has no field {source.field!r}")
             return str(text).encode()
         namespace, name = source.secret_ref
-        secret = await self._client().get(Secret, name, namespace=namespace)
+        try:
+            secret = await self._client().get(Secret, name, namespace=namespace)
+        except ApiError as exc:
+            if not is_status(exc, 404):
+                raise
+            if not (source.generate and self.private_ok):
+                raise ValueError(f"secret {namespace}/{name} does not exist; {self._hint(source)}") from None
+            secret = await self._generate(source)
         data = (secret.data or {}).get(source.field)
         if data is None:
             raise ValueError(f"secret {namespace}/{name} has no field {source.field!r}")
         return base64.b64decode(data)
 
+    def _hint(self, source: KeySource) -> str:
+        """What to set, for a key source that is not there (one line)."""
+        if not self.private_ok:
+            return (
+                "set sharing.signingKey to where the extender publishes its public keys (its publicKeysConfigMap, "
+                "default kxpu-system/kxpu-verify-keys), and start the extender first"
+            )
+        return (
+            "set signingKey to an existing Secret holding an Ed25519 private key (openssl genpkey -algorithm "
+            "ed25519), or add generate: true to have the extender create it"
+        )
+
+    async def _generate(self, source: KeySource) -> Secret:
+        """Create the missing Secret with a new key; if another replica just did, read theirs."""
+        namespace, name = source.secret_ref
+        text = (secrets.token_urlsafe(48) + "\n") if source.hmac else generate_private_pem()
+        meta = ObjectMeta(
+            name=name,
+            namespace=namespace,
+            labels={"app.kubernetes.io/component": "scheduler", "app.kubernetes.io/managed-by": "kxpu"},
+            annotations={
+                "kxpu.io/generated-by": "kxpu scheduler (signingKey.generate): never rendered by the chart. "
+                "Rotate by putting a new key first, then dropping the old one (docs/sharing.md)"
+            },
+        )
+        body = Secret(
+            metadata=meta, type="Opaque", data={source.field: base64.b64encode(text.encode()).decode()}
+        )
+        try:
+            created = await self._client().create(body)
+        except ApiError as exc:
+            if not is_status(exc, 409):
+                raise
+            return await self._client().get(Secret, name, namespace=namespace)
+        log.info(
+            "generated a signing key", secret=f"{namespace}/{name}", kind="hmac" if source.hmac else "ed25519"
+        )
+        return created
+
     async def load(self) -> Keyring:
         ring = Keyring()
         for source in self.sources:
             text = await self._read(source)
-            ring = ring + parse_keyring(text, private_ok=self.private_ok, where=source.describe())
+            ring = ring + parse_keyring(
+                text, private_ok=self.private_ok, where=source.describe(), hmac_ok=source.hmac
+            )
         if ring != self._keys:
             log.info("signing keys loaded", keys=ring.describe())
         self._keys, self._loaded_at = ring, time.monotonic()

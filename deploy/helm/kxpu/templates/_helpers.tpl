@@ -189,7 +189,7 @@ the lock Leases in the release namespace. */}}
 {{- $out := list }}
 {{- range include "kxpu.sharing.nodeSchemes" . | fromYamlArray }}
 {{- if eq . "hmac" }}
-{{- $out = append $out (dict "secret" (printf "%s/%s" $.Release.Namespace (include "kxpu.sharing.keySecret" $)) "field" $.Values.sharing.signingKey.field) }}
+{{- $out = append $out (dict "secret" (printf "%s/%s" $.Release.Namespace (include "kxpu.sharing.keySecret" $)) "field" $.Values.sharing.signingKey.field "hmac" true) }}
 {{- else }}
 {{- $out = append $out (dict "configMap" (printf "%s/%s" $.Release.Namespace (include "kxpu.sharing.verifyKeys" $)) "field" "keys") }}
 {{- end }}
@@ -197,13 +197,15 @@ the lock Leases in the release namespace. */}}
 {{- toYaml $out }}
 {{- end }}
 
+{{- /* The extender reads its keys through the API; with create it makes a missing Secret itself on first start, so
+no key is ever in the chart's output (a re-render keeps it) or in a Helm release revision. */}}
 {{- define "kxpu.sharing.extenderKeys" -}}
 {{- $out := list }}
 {{- range include "kxpu.sharing.schemes" . | fromYamlArray }}
 {{- if eq . "hmac" }}
-{{- $out = append $out (dict "secret" (printf "%s/%s" $.Release.Namespace (include "kxpu.sharing.keySecret" $)) "field" $.Values.sharing.signingKey.field) }}
+{{- $out = append $out (dict "secret" (printf "%s/%s" $.Release.Namespace (include "kxpu.sharing.keySecret" $)) "field" $.Values.sharing.signingKey.field "hmac" true "generate" $.Values.sharing.signingKey.create) }}
 {{- else }}
-{{- $out = append $out (dict "file" (printf "/etc/kxpu-signing/%s" $.Values.sharing.signing.ed25519Key.field)) }}
+{{- $out = append $out (dict "secret" (printf "%s/%s" $.Release.Namespace (include "kxpu.sharing.ed25519Secret" $)) "field" $.Values.sharing.signing.ed25519Key.field "generate" $.Values.sharing.signing.ed25519Key.create) }}
 {{- end }}
 {{- end }}
 {{- toYaml $out }}
@@ -229,10 +231,15 @@ the lock Leases in the release namespace. */}}
 {{- end }}
 {{- end }}
 
-{{- /* The accounts that may change kxpu's pod annotations: the extender's and the node daemon's. */}}
+{{- /* The accounts that may change kxpu's pod annotations and label: the extender's (and extraTrustedUsers). */}}
 {{- define "kxpu.sharing.trustedUsers" -}}
-{{- $users := list (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "kxpu.scheduler.name" .)) (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "kxpu.plugin.serviceAccountName" .)) }}
+{{- $users := list (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "kxpu.scheduler.name" .)) }}
 {{- toYaml (concat $users .Values.sharing.extraTrustedUsers) }}
+{{- end }}
+
+{{- /* The node daemon's account: the webhook lets it only set the allocated mark on pods bound to its node. */}}
+{{- define "kxpu.sharing.nodeUsers" -}}
+{{- toYaml (list (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "kxpu.plugin.serviceAccountName" .))) }}
 {{- end }}
 
 {{- /*
