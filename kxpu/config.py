@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 
 import kxpu.backends  # noqa: F401  (registers the built-in backends)
-from kxpu.backends.registry import BackendConfig, known_keys, lookup
+from kxpu.backends.registry import BackendConfig, known_keys, lookup, refuse_set_while_off
 from kxpu.cdi.spec import validate_kind
 from kxpu.dra.config import (
     DEFAULT_KUBELET_PLUGINS_DIR,
@@ -114,6 +114,11 @@ class ResourceConfig(_Model):
     @model_validator(mode="after")
     def _serving(self) -> ResourceConfig:
         if self.serve != "dra":
+            if "dra" in self.model_fields_set:  # accepted and ignored otherwise: the resource is not on DRA
+                raise ValueError(
+                    "dra: applies to a resource served through DRA, and this one has serve: devicePlugin; "
+                    "set serve: dra (or remove dra:)"
+                )
             why = self.backend_config.dra_only()
             if why is not None:
                 raise ValueError(f"{why}: only DRA can serve that (set serve: dra)")
@@ -207,6 +212,11 @@ class TelemetryConfig(_Model):
         if value is not None and not value.is_absolute():
             raise ValueError(f"{value} must be an absolute path")
         return value
+
+    @model_validator(mode="after")
+    def _not_ignored(self) -> TelemetryConfig:
+        refuse_set_while_off(self, "telemetry")
+        return self
 
 
 class Config(_Model):
