@@ -54,8 +54,13 @@ def _build(resource: ResourceConfig) -> Backend:
 
 def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str, ...]) -> Config:
     """The config, or exit 2 with one line: every fault knowable before serving is refused here."""
+    from kxpu.backends.fakes import check_fake_envs
     from kxpu.daemon import check_socket_paths
 
+    try:
+        check_fake_envs(os.environ)
+    except ValueError as exc:
+        _fail(str(exc))
     for module in imports:
         try:
             import_backend_module(module)
