@@ -437,6 +437,33 @@ def _cluster_status(kubeconfig: Path | None, only: frozenset[str], output: str) 
         click.echo(format_cluster_table(result))
 
 
+def _check_api_access() -> None:
+    """Exit 2 on one line when there is no way to reach the API server at all (no service account, no
+    kubeconfig), as ``kxpu status --cluster`` does; an API server that does not answer is the server's
+    own one-line failure (exit 1)."""
+    from lightkube import ConfigError, KubeConfig
+
+    try:
+        KubeConfig.from_env()
+    except (ConfigError, OSError) as exc:
+        _fail(
+            f"no access to the API server: {exc}; run it in a pod with a service account, or set KUBECONFIG"
+        )
+
+
+def _run_server(what: str, main_task: Any) -> None:
+    """Run a control-plane server until it stops; a failure (a port in use, an API server refusing) is one
+    line and exit 1, its traceback only at debug level."""
+    try:
+        asyncio.run(main_task)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        log.debug(f"{what} failed: traceback", exc_info=exc)
+        click.echo(f"kxpu: error: {what} stopped: {error_text(exc)}", err=True)
+        sys.exit(1)
+
+
 def _control_plane_config(path: Path | None) -> Any:
     from kxpu.sharing.config import SharingConfigError, load_control_plane_config
 
@@ -485,8 +512,10 @@ def scheduler(
     configure_logging(log_level, "json" if log_format == "json" else "text")
     config = _control_plane_config(config_path)
     owner = os.environ.get("POD_NAME") or socket.gethostname()
+    _check_address("--address", address)
     _check_address("--metrics-address", metrics_address)
-    asyncio.run(serve(config, address, owner, metrics_address))
+    _check_api_access()
+    _run_server("the scheduler extender", serve(config, address, owner, metrics_address))
 
 
 @main.command()
@@ -526,8 +555,15 @@ def webhook(
     config = _control_plane_config(config_path)
     families = config.resource_families()
     trusted = [*config.trusted_users, *trusted_users]
+    _check_address("--address", address)
     _check_address("--metrics-address", metrics_address)
-    asyncio.run(
+    for option, path in (("--tls-cert-file", tls_cert_file), ("--tls-key-file", tls_key_file)):
+        try:
+            path.open("rb").close()
+        except OSError as exc:
+            _fail(f"{option} {path}: cannot read it: {exc.strerror or exc}")
+    _run_server(
+        "the admission webhook",
         serve(
             families,
             config.scheduler_name,
@@ -538,7 +574,7 @@ def webhook(
             metrics_address,
             config.protected_env,
             config.node_users,
-        )
+        ),
     )
 
 
