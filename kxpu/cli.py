@@ -14,7 +14,7 @@ import click
 from kxpu.backends.registry import build_backend, import_backend_module
 from kxpu.config import Config, ConfigError, ResourceConfig, load_config
 from kxpu.logs import LOG_LEVELS, configure_logging, error_text, get_logger
-from kxpu.model import Backend, Closable, Device, NodeLabeller
+from kxpu.model import Backend, Closable, NodeLabeller
 from kxpu.status import DEFAULT_POD_RESOURCES_SOCKET
 
 log = get_logger("kxpu.cli")
@@ -277,73 +277,48 @@ def _grant_events() -> Any:
     return post
 
 
-def device_to_json(device: Device) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": device.id, "health": device.health.value}
-    for key in ("model", "uuid", "index", "memory_mib", "cores", "pci_bus_id"):
-        value = getattr(device, key)
-        if value is not None:
-            out[key] = value
-    if device.numa_nodes:
-        out["numa_nodes"] = list(device.numa_nodes)
-    if device.extra:
-        out["extra"] = dict(device.extra)
-    return out
-
-
 @main.command()
 @config_option
 @import_option
-@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Choice(["table", "wide", "json", "yaml"]),
+    default="table",
+    show_default=True,
+    help="table (a header, aligned columns), wide (also index, UUID, PCI bus, cores, extras and node labels), "
+    "or a JSON/YAML document (README: kxpu devices).",
+)
 @log_level_option
 def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level: str) -> None:
     """Print what discovery finds for each resource, without serving anything."""
+    from kxpu.devicelist import Listing, error_lines, render
+
     configure_logging(log_level, "text")
     config = _load(config_path, None, imports)
-    found: dict[str, list[Device]] = {}
-    labels: dict[str, dict[str, str]] = {}
-    errors: dict[str, str] = {}
+    listing = Listing()
     for resource in config.resources:
+        listing.backends[resource.name] = resource.backend
         try:
             backend = _build_plain(resource)  # no CDI wrapper: listing devices writes no spec files
             try:
-                found[resource.name] = backend.discover()
+                listing.devices[resource.name] = backend.discover()
                 if isinstance(backend, NodeLabeller):
-                    labels[resource.name] = backend.node_labels()
+                    listing.labels[resource.name] = backend.node_labels()
             finally:
                 if isinstance(backend, Closable):
                     backend.close()
         except Exception as exc:
-            errors[resource.name] = error_text(exc)
-    if output == "json":
-        doc: dict[str, Any] = {
-            name: {"backend": r.backend, "devices": [device_to_json(d) for d in found.get(name, [])]}
-            for r in config.resources
-            for name in [r.name]
-        }
-        for name, error in errors.items():
-            doc[name]["error"] = error
-        for name, node_labels in labels.items():
-            doc[name]["labels"] = node_labels
-        click.echo(json.dumps(doc, indent=2))
-    else:
-        for resource in config.resources:
-            click.echo(f"{resource.name} ({resource.backend})")
-            if resource.name in errors:
-                click.echo(f"  error: {errors[resource.name]}")
-                continue
-            for d in found[resource.name]:
-                facts = [d.health.value]
-                if d.numa_nodes:
-                    facts.append("numa=" + ",".join(map(str, d.numa_nodes)))
-                facts += [
-                    f"{k}={v}"
-                    for k, v in device_to_json(d).items()
-                    if k not in ("id", "health", "numa_nodes")
-                ]
-                click.echo(f"  {d.id:<24} " + " ".join(facts))
-            for key, value in sorted(labels.get(resource.name, {}).items()):
-                click.echo(f"  label {key}={value}")
-    sys.exit(1 if errors else 0)
+            listing.errors[resource.name] = error_text(exc)
+    text = render(listing, output)
+    if text:
+        click.echo(text)
+    if output in ("table", "wide"):
+        for line in error_lines(listing.errors):
+            click.echo(line, err=True)
+        if not text and not listing.errors:
+            click.echo("No devices found.", err=True)
+    sys.exit(1 if listing.errors else 0)
 
 
 @main.command()

@@ -128,4 +128,12 @@ def test_devices_command_prints_discovery(write_config: Callable[..., Path]) -> 
         timeout=30,
         check=True,
     ).stdout
-    assert "sim-npu-1" in table and "numa=1" in table
+    assert table.splitlines()[2].split() == [
+        "example.com/npu",
+        "sim-npu-1",
+        "Healthy",
+        "<none>",
+        "sim-npu",
+        "1024Mi",
+        "1",
+    ]
