@@ -207,6 +207,11 @@ SET_WHILE_OFF = [
         "set enabled: true to use it (or enabled: false to keep health recovery off)",
     ),
     (
+        "resources: [{name: nvidia.com/gpu, nvidia: {sharedDevicesAllocationPolicy: packed}}]\n",
+        "c.yaml: resources[0].nvidia: sharedDevicesAllocationPolicy packed places replicas, and no "
+        "sharing.timeSlicing or sharing.mps resources make any: add replicas, or drop the key",
+    ),
+    (
         "resources: [{name: habana.ai/gaudi, gaudi: {health: {recovery: {quietPeriodSeconds: 60}}}}]\n",
         "c.yaml: resources[0].gaudi.health.recovery: quietPeriodSeconds set, but health recovery is off: "
         "set enabled: true to use it (or enabled: false to keep health recovery off)",
@@ -215,7 +220,7 @@ SET_WHILE_OFF = [
 
 
 @pytest.mark.parametrize(
-    ("body", "line"), SET_WHILE_OFF, ids=["dra", "telemetry", "mps", "nvidia-recovery", "gaudi"]
+    ("body", "line"), SET_WHILE_OFF, ids=["dra", "telemetry", "mps", "nvidia-recovery", "packed", "gaudi"]
 )
 def test_settings_that_would_be_ignored_are_refused_on_one_line(tmp_path: Path, body: str, line: str) -> None:
     path = tmp_path / "c.yaml"

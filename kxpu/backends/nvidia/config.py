@@ -250,6 +250,11 @@ class NvidiaConfig(BackendConfig):
             raise ValueError(
                 "migProfile selects a MIG profile under migStrategy: mixed; set migStrategy: mixed"
             )
+        if self.shared_devices_allocation_policy == "packed" and not self.replicated:
+            raise ValueError(
+                "sharedDevicesAllocationPolicy packed places replicas, and no sharing.timeSlicing or sharing.mps "
+                "resources make any: add replicas, or drop the key"
+            )
         unused = [] if self.mps_active else set_while_off(self.mps)
         if unused:
             raise ValueError(
