@@ -72,6 +72,13 @@ def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str,
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
         raise  # unreachable; keeps type checkers honest
+    for i, resource in enumerate(config.resources):
+        if resource.dra_unserved:
+            log.warning(
+                f"{config_path}: resources[{i}]: dra: applies to a resource served through DRA, and this one has "
+                "serve: devicePlugin; set serve: dra (the section is used only to unprepare claims left from when "
+                "it was served through DRA)"
+            )
     return config
 
 

@@ -103,6 +103,13 @@ class ResourceConfig(_Model):
     dra: DraConfig = Field(default_factory=DraConfig)
 
     @property
+    def dra_unserved(self) -> bool:
+        """A ``dra:`` section on a resource not served through DRA: it only applies to draining the claims
+        left from when it was (``kxpu.dra.leftover``), so it is kept, but almost always means a forgotten
+        ``serve: dra``, which ``kxpu plugin`` and ``kxpu devices`` warn about."""
+        return self.serve != "dra" and "dra" in self.model_fields_set
+
+    @property
     def cdi_kind(self) -> str:
         return self.cdi.kind or self.name
 
@@ -114,11 +121,6 @@ class ResourceConfig(_Model):
     @model_validator(mode="after")
     def _serving(self) -> ResourceConfig:
         if self.serve != "dra":
-            if "dra" in self.model_fields_set:  # accepted and ignored otherwise: the resource is not on DRA
-                raise ValueError(
-                    "dra: applies to a resource served through DRA, and this one has serve: devicePlugin; "
-                    "set serve: dra (or remove dra:)"
-                )
             why = self.backend_config.dra_only()
             if why is not None:
                 raise ValueError(f"{why}: only DRA can serve that (set serve: dra)")

@@ -187,11 +187,6 @@ def test_cdi_kinds_must_be_unique() -> None:
 # Settings a file sets that would be accepted and ignored: each is refused at load, on one line naming it.
 SET_WHILE_OFF = [
     (
-        "resources:\n  - {name: example.com/npu, simulated: {count: 1}, dra: {nodeName: n1}}\n",
-        "c.yaml: resources[0]: dra: applies to a resource served through DRA, and this one has serve: "
-        "devicePlugin; set serve: dra (or remove dra:)",
-    ),
-    (
         "resources: [{name: example.com/npu, simulated: {count: 1}}]\ntelemetry: {events: true}\n",
         "c.yaml: telemetry: events set, but telemetry is off: set enabled: true to use it "
         "(or enabled: false to keep telemetry off)",
@@ -220,7 +215,7 @@ SET_WHILE_OFF = [
 
 
 @pytest.mark.parametrize(
-    ("body", "line"), SET_WHILE_OFF, ids=["dra", "telemetry", "mps", "nvidia-recovery", "packed", "gaudi"]
+    ("body", "line"), SET_WHILE_OFF, ids=["telemetry", "mps", "nvidia-recovery", "packed", "gaudi"]
 )
 def test_settings_that_would_be_ignored_are_refused_on_one_line(tmp_path: Path, body: str, line: str) -> None:
     path = tmp_path / "c.yaml"
@@ -252,4 +247,25 @@ def test_a_switch_given_off_keeps_its_settings_without_complaint() -> None:
             ],
             "telemetry": {"enabled": False, "events": True},
         }
+    )
+
+
+def test_a_dra_section_without_serve_dra_is_one_warning(tmp_path: Path) -> None:
+    """Not refused: after a resource moves from DRA to the device plugin, its dra: section still serves to
+    unprepare the claims left (kxpu.dra.leftover). But it almost always means a forgotten serve: dra."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "version: v1\nresources:\n  - {name: example.com/npu, simulated: {count: 1}, dra: {nodeName: n1}}\n"
+    )
+    result = run_cli("devices", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert (
+        "level=warning" in line
+        and (
+            f'event="{path}: resources[0]: dra: applies to a resource served through DRA, and this one has serve: '
+            "devicePlugin; set serve: dra (the section is used only to unprepare claims left from when it was served "
+            'through DRA)"'
+        )
+        in line
     )

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "troubleshooting.md").read_text()
 
 QUOTED = [
-    ("kxpu/config.py", "applies to a resource served through DRA, and this one has serve: devicePlugin"),
+    ("kxpu/cli.py", "applies to a resource served through DRA, and this one has "),
     ("kxpu/backends/registry.py", "set, but {what} is off: set {switch}: true to use"),
     ("kxpu/backends/fakes.py", "no such kxpu variable; a fake machine is named by"),
     ("kxpu/backends/nvidia/backend.py", "which this node does not have (GPUs present: {present}); "),
