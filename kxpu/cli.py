@@ -14,7 +14,7 @@ import click
 from kxpu.backends.registry import build_backend, import_backend_module
 from kxpu.config import Config, ConfigError, ResourceConfig, load_config
 from kxpu.logs import LOG_LEVELS, configure_logging, error_text, get_logger
-from kxpu.model import Backend, Closable, Device, NodeLabeller
+from kxpu.model import Backend, Closable, NodeLabeller
 from kxpu.status import DEFAULT_POD_RESOURCES_SOCKET
 
 log = get_logger("kxpu.cli")
@@ -58,8 +58,13 @@ def _build(resource: ResourceConfig) -> Backend:
 
 def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str, ...]) -> Config:
     """The config, or exit 2 with one line: every fault knowable before serving is refused here."""
+    from kxpu.backends.fakes import check_fake_envs
     from kxpu.daemon import check_socket_paths
 
+    try:
+        check_fake_envs(os.environ)
+    except ValueError as exc:
+        _fail(str(exc))
     for module in imports:
         try:
             import_backend_module(module)
@@ -71,6 +76,13 @@ def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str,
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
         raise  # unreachable; keeps type checkers honest
+    for i, resource in enumerate(config.resources):
+        if resource.dra_unserved:
+            log.warning(
+                f"{config_path}: resources[{i}]: dra: applies to a resource served through DRA, and this one has "
+                "serve: devicePlugin; set serve: dra (the section is used only to unprepare claims left from when "
+                "it was served through DRA)"
+            )
     return config
 
 
@@ -325,73 +337,48 @@ def _grant_events() -> Any:
     return post
 
 
-def device_to_json(device: Device) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": device.id, "health": device.health.value}
-    for key in ("model", "uuid", "index", "memory_mib", "cores", "pci_bus_id"):
-        value = getattr(device, key)
-        if value is not None:
-            out[key] = value
-    if device.numa_nodes:
-        out["numa_nodes"] = list(device.numa_nodes)
-    if device.extra:
-        out["extra"] = dict(device.extra)
-    return out
-
-
 @main.command()
 @config_option
 @import_option
-@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Choice(["table", "wide", "json", "yaml"]),
+    default="table",
+    show_default=True,
+    help="table (a header, aligned columns), wide (also index, UUID, PCI bus, cores, extras and node labels), "
+    "or a JSON/YAML document (README: kxpu devices).",
+)
 @log_level_option
 def devices(config_path: Path, imports: tuple[str, ...], output: str, log_level: str) -> None:
     """Print what discovery finds for each resource, without serving anything."""
+    from kxpu.devicelist import Listing, error_lines, render
+
     configure_logging(log_level, "text")
     config = _load(config_path, None, imports)
-    found: dict[str, list[Device]] = {}
-    labels: dict[str, dict[str, str]] = {}
-    errors: dict[str, str] = {}
+    listing = Listing()
     for resource in config.resources:
+        listing.backends[resource.name] = resource.backend
         try:
             backend = _build_plain(resource)  # no CDI wrapper: listing devices writes no spec files
             try:
-                found[resource.name] = backend.discover()
+                listing.devices[resource.name] = backend.discover()
                 if isinstance(backend, NodeLabeller):
-                    labels[resource.name] = backend.node_labels()
+                    listing.labels[resource.name] = backend.node_labels()
             finally:
                 if isinstance(backend, Closable):
                     backend.close()
         except Exception as exc:
-            errors[resource.name] = error_text(exc)
-    if output == "json":
-        doc: dict[str, Any] = {
-            name: {"backend": r.backend, "devices": [device_to_json(d) for d in found.get(name, [])]}
-            for r in config.resources
-            for name in [r.name]
-        }
-        for name, error in errors.items():
-            doc[name]["error"] = error
-        for name, node_labels in labels.items():
-            doc[name]["labels"] = node_labels
-        click.echo(json.dumps(doc, indent=2))
-    else:
-        for resource in config.resources:
-            click.echo(f"{resource.name} ({resource.backend})")
-            if resource.name in errors:
-                click.echo(f"  error: {errors[resource.name]}")
-                continue
-            for d in found[resource.name]:
-                facts = [d.health.value]
-                if d.numa_nodes:
-                    facts.append("numa=" + ",".join(map(str, d.numa_nodes)))
-                facts += [
-                    f"{k}={v}"
-                    for k, v in device_to_json(d).items()
-                    if k not in ("id", "health", "numa_nodes")
-                ]
-                click.echo(f"  {d.id:<24} " + " ".join(facts))
-            for key, value in sorted(labels.get(resource.name, {}).items()):
-                click.echo(f"  label {key}={value}")
-    sys.exit(1 if errors else 0)
+            listing.errors[resource.name] = error_text(exc)
+    text = render(listing, output)
+    if text:
+        click.echo(text)
+    if output in ("table", "wide"):
+        for line in error_lines(listing.errors):
+            click.echo(line, err=True)
+        if not text and not listing.errors:
+            click.echo("No devices found.", err=True)
+    sys.exit(1 if listing.errors else 0)
 
 
 @main.command()
@@ -498,6 +485,33 @@ def _cluster_status(kubeconfig: Path | None, only: frozenset[str], output: str) 
         click.echo(format_cluster_table(result))
 
 
+def _check_api_access() -> None:
+    """Exit 2 on one line when there is no way to reach the API server at all (no service account, no
+    kubeconfig), as ``kxpu status --cluster`` does; an API server that does not answer is the server's
+    own one-line failure (exit 1)."""
+    from lightkube import ConfigError, KubeConfig
+
+    try:
+        KubeConfig.from_env()
+    except (ConfigError, OSError) as exc:
+        _fail(
+            f"no access to the API server: {exc}; run it in a pod with a service account, or set KUBECONFIG"
+        )
+
+
+def _run_server(what: str, main_task: Any) -> None:
+    """Run a control-plane server until it stops; a failure (a port in use, an API server refusing) is one
+    line and exit 1, its traceback only at debug level."""
+    try:
+        asyncio.run(main_task)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        log.debug(f"{what} failed: traceback", exc_info=exc)
+        click.echo(f"kxpu: error: {what} stopped: {error_text(exc)}", err=True)
+        sys.exit(1)
+
+
 def _control_plane_config(path: Path | None) -> Any:
     from kxpu.sharing.config import SharingConfigError, load_control_plane_config
 
@@ -546,8 +560,10 @@ def scheduler(
     configure_logging(log_level, "json" if log_format == "json" else "text")
     config = _control_plane_config(config_path)
     owner = os.environ.get("POD_NAME") or socket.gethostname()
+    _check_address("--address", address)
     _check_address("--metrics-address", metrics_address)
-    asyncio.run(serve(config, address, owner, metrics_address))
+    _check_api_access()
+    _run_server("the scheduler extender", serve(config, address, owner, metrics_address))
 
 
 @main.command()
@@ -587,8 +603,15 @@ def webhook(
     config = _control_plane_config(config_path)
     families = config.resource_families()
     trusted = [*config.trusted_users, *trusted_users]
+    _check_address("--address", address)
     _check_address("--metrics-address", metrics_address)
-    asyncio.run(
+    for option, path in (("--tls-cert-file", tls_cert_file), ("--tls-key-file", tls_key_file)):
+        try:
+            path.open("rb").close()
+        except OSError as exc:
+            _fail(f"{option} {path}: cannot read it: {exc.strerror or exc}")
+    _run_server(
+        "the admission webhook",
         serve(
             families,
             config.scheduler_name,
@@ -599,7 +622,7 @@ def webhook(
             metrics_address,
             config.protected_env,
             config.node_users,
-        )
+        ),
     )
 
 

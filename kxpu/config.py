@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 
 import kxpu.backends  # noqa: F401  (registers the built-in backends)
-from kxpu.backends.registry import BackendConfig, known_keys, lookup
+from kxpu.backends.registry import BackendConfig, known_keys, lookup, refuse_set_while_off
 from kxpu.cdi.spec import validate_kind
 from kxpu.dra.config import (
     DEFAULT_KUBELET_PLUGINS_DIR,
@@ -101,6 +101,13 @@ class ResourceConfig(_Model):
         description="how the kubelet gets the devices: the Device Plugin API, or Dynamic Resource Allocation",
     )
     dra: DraConfig = Field(default_factory=DraConfig)
+
+    @property
+    def dra_unserved(self) -> bool:
+        """A ``dra:`` section on a resource not served through DRA: it only applies to draining the claims
+        left from when it was (``kxpu.dra.leftover``), so it is kept, but almost always means a forgotten
+        ``serve: dra``, which ``kxpu plugin`` and ``kxpu devices`` warn about."""
+        return self.serve != "dra" and "dra" in self.model_fields_set
 
     @property
     def cdi_kind(self) -> str:
@@ -207,6 +214,11 @@ class TelemetryConfig(_Model):
         if value is not None and not value.is_absolute():
             raise ValueError(f"{value} must be an absolute path")
         return value
+
+    @model_validator(mode="after")
+    def _not_ignored(self) -> TelemetryConfig:
+        refuse_set_while_off(self, "telemetry")
+        return self
 
 
 class Config(_Model):

@@ -182,3 +182,90 @@ def test_cdi_kinds_must_be_unique() -> None:
     ]
     with pytest.raises(ConfigError, match=r"CDI kinds must be unique.*example\.com/x"):
         parse_config({"version": "v1", "resources": both})
+
+
+# Settings a file sets that would be accepted and ignored: each is refused at load, on one line naming it.
+SET_WHILE_OFF = [
+    (
+        "resources: [{name: example.com/npu, simulated: {count: 1}}]\ntelemetry: {events: true}\n",
+        "c.yaml: telemetry: events set, but telemetry is off: set enabled: true to use it "
+        "(or enabled: false to keep telemetry off)",
+    ),
+    (
+        "resources: [{name: nvidia.com/gpu, nvidia: {mps: {setComputeMode: false}}}]\n",
+        "c.yaml: resources[0].nvidia: mps: setComputeMode set, but MPS is off: set mps.enabled: true or give "
+        "sharing.mps replicas (or mps.enabled: false to keep MPS off)",
+    ),
+    (
+        "resources: [{name: nvidia.com/gpu, nvidia: {health: {recovery: {quietPeriodSeconds: 60}}}}]\n",
+        "c.yaml: resources[0].nvidia.health.recovery: quietPeriodSeconds set, but health recovery is off: "
+        "set enabled: true to use it (or enabled: false to keep health recovery off)",
+    ),
+    (
+        "resources: [{name: nvidia.com/gpu, nvidia: {sharedDevicesAllocationPolicy: packed}}]\n",
+        "c.yaml: resources[0].nvidia: sharedDevicesAllocationPolicy packed places replicas, and no "
+        "sharing.timeSlicing or sharing.mps resources make any: add replicas, or drop the key",
+    ),
+    (
+        "resources: [{name: habana.ai/gaudi, gaudi: {health: {recovery: {quietPeriodSeconds: 60}}}}]\n",
+        "c.yaml: resources[0].gaudi.health.recovery: quietPeriodSeconds set, but health recovery is off: "
+        "set enabled: true to use it (or enabled: false to keep health recovery off)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "line"), SET_WHILE_OFF, ids=["telemetry", "mps", "nvidia-recovery", "packed", "gaudi"]
+)
+def test_settings_that_would_be_ignored_are_refused_on_one_line(tmp_path: Path, body: str, line: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("version: v1\n" + body)
+    result = run_cli("devices", "--config", str(path))
+    assert result.returncode == 2
+    assert result.stderr.replace(str(tmp_path) + "/", "") == f"kxpu: error: {line}\n"
+
+
+def test_a_switch_given_off_keeps_its_settings_without_complaint() -> None:
+    """enabled: false written out is a choice (a feature turned off for now, its settings kept)."""
+    parse_config(
+        {
+            "version": "v1",
+            "resources": [
+                {
+                    "name": "nvidia.com/gpu",
+                    "nvidia": {
+                        "mps": {"enabled": False, "setComputeMode": False},
+                        "health": {"recovery": {"enabled": False, "quietPeriodSeconds": 60}},
+                    },
+                },
+                {
+                    "name": "example.com/npu",
+                    "simulated": {"count": 1},
+                    "serve": "dra",
+                    "dra": {"nodeName": "n"},
+                },
+            ],
+            "telemetry": {"enabled": False, "events": True},
+        }
+    )
+
+
+def test_a_dra_section_without_serve_dra_is_one_warning(tmp_path: Path) -> None:
+    """Not refused: after a resource moves from DRA to the device plugin, its dra: section still serves to
+    unprepare the claims left (kxpu.dra.leftover). But it almost always means a forgotten serve: dra."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "version: v1\nresources:\n  - {name: example.com/npu, simulated: {count: 1}, dra: {nodeName: n1}}\n"
+    )
+    result = run_cli("devices", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert (
+        "level=warning" in line
+        and (
+            f'event="{path}: resources[0]: dra: applies to a resource served through DRA, and this one has serve: '
+            "devicePlugin; set serve: dra (the section is used only to unprepare claims left from when it was served "
+            'through DRA)"'
+        )
+        in line
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -19,6 +20,13 @@ from tests.test_daemon import NPU, simulated
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).parent.parent
+# the simulated backend's UUIDs for sim-npu-0 .. sim-npu-3 (derived from the IDs)
+SIM_UUID = [
+    "SIM-3bd74612-cf16-5259-9032-5a9dfd37f4c5",
+    "SIM-ede3e944-43a6-5f22-bba3-3b7eb1232693",
+    "SIM-0502c331-629a-5891-b0ee-b54a842b45e9",
+    "SIM-7ca6f1c9-1058-5d62-9775-46ff50f58f6b",
+]
 
 
 def metric(text: str, name: str, **labels: str) -> float | None:
@@ -59,8 +67,8 @@ async def test_readyz_follows_registration_and_metrics_follow_devices(
         text = (await daemon.http_get("/metrics"))[1]
         assert metric(text, "kxpu_resource_devices", resource=NPU, state="capacity") == 4
         assert metric(text, "kxpu_resource_devices", resource=NPU, state="allocatable") == 3
-        assert metric(text, "kxpu_device_health", resource=NPU, device="sim-npu-3") == 0
-        assert metric(text, "kxpu_device_health", resource=NPU, device="sim-npu-0") == 1
+        assert metric(text, "kxpu_device_health", resource=NPU, device="sim-npu-3", uuid=SIM_UUID[3]) == 0
+        assert metric(text, "kxpu_device_health", resource=NPU, device="sim-npu-0", uuid=SIM_UUID[0]) == 1
         assert metric(text, "kxpu_health_events_total", resource=NPU, cause="state-file") == 1
         assert metric(text, "kxpu_allocate_errors_total", resource=NPU, code="FAILED_PRECONDITION") == 1
         assert metric(text, "kxpu_allocate_duration_seconds_count", resource=NPU) == 2
@@ -128,4 +136,56 @@ def test_devices_command_prints_discovery(write_config: Callable[..., Path]) -> 
         timeout=30,
         check=True,
     ).stdout
-    assert "sim-npu-1" in table and "numa=1" in table
+    assert table.splitlines()[2].split() == [
+        "example.com/npu",
+        "sim-npu-1",
+        "Healthy",
+        "<none>",
+        "sim-npu",
+        "1024Mi",
+        "1",
+    ]
+
+
+def _series(text: str, name: str) -> list[dict[str, str]]:
+    return [
+        dict(re.findall(r'(\w+)="([^"]*)"', line.partition(" ")[0]))
+        for line in text.splitlines()
+        if line.startswith(name + "{")
+    ]
+
+
+async def test_health_and_telemetry_series_join_on_resource_and_uuid(
+    plugin_dir: Path, write_config: Callable[..., Path], daemons: Callable[..., Any], workdir: Path
+) -> None:
+    """`kxpu_device_health` (per kubelet device ID) and the telemetry series (per physical device) share the
+    labels a PromQL join needs: `kxpu_device_health * on (resource, uuid) group_left (model) kxpu_device_info`
+    finds, for every device the kubelet sees, the figures of the device behind it."""
+    (workdir / "host" / "proc").mkdir(parents=True)
+    config = write_config(
+        [simulated(memoryMiB=1024)],
+        telemetry={"enabled": True, "intervalSeconds": 0.1, "hostRoot": str(workdir / "host")},
+    )
+    daemon: DaemonProcess = await daemons(config)
+    kubelet = KubeletStandIn(plugin_dir)
+    await kubelet.start()
+    try:
+        await kubelet.wait_registered(NPU)
+
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:  # the first telemetry tick follows registration
+            text = (await daemon.http_get("/metrics"))[1]
+            if _series(text, "kxpu_device_info") and _series(text, "kxpu_device_health"):
+                break
+            assert asyncio.get_running_loop().time() < deadline, "no telemetry series after 10 s"
+            await asyncio.sleep(0.05)
+    finally:
+        await kubelet.stop()
+    health = _series(text, "kxpu_device_health")
+    info = {(s["resource"], s["uuid"]): s for s in _series(text, "kxpu_device_info")}
+    assert len(health) == 4 and len(info) == 4
+    for series in health:
+        assert series["device"].startswith("sim-npu-") and series["uuid"].startswith("SIM-")
+        assert info[(series["resource"], series["uuid"])]["model"] == "sim-npu"
+    for name in ("kxpu_device_memory_total_bytes", "kxpu_device_compute_utilization_ratio"):
+        assert {(s["resource"], s["uuid"]) for s in _series(text, name)} == set(info), name

@@ -83,3 +83,23 @@ def test_gpu_check_script_passes_over_a_fake_machine() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "gpu-check: everything matches" in result.stdout
     assert result.stdout.count("ok   Allocate") == 16  # env and device node, for each of 8 GPUs
+
+
+def test_a_selection_naming_a_gpu_the_node_lacks_is_one_warning(tmp_path: Path, monkeypatch: Any) -> None:
+    """Time-slicing for GPU 9 on an 8-GPU node would be silently ignored: one line says so, naming the GPUs."""
+    monkeypatch.setenv("KXPU_FAKE_NVML", "a100-8x")
+    section = {
+        "sharing": {"timeSlicing": {"resources": [{"replicas": 2, "devices": [1, 9]}]}},
+        "devices": [1, "GPU-nope"],
+    }
+    result = CliRunner().invoke(main, ["devices", "--config", str(_config(tmp_path, section)), "-o", "json"])
+    assert result.exit_code == 0, result.output
+    present = "(GPUs present: 0, 1, 2, 3, 4, 5, 6, 7); its setting is ignored here"
+    warnings = [line for line in result.stderr.splitlines() if "level=warning" in line]
+    assert len(warnings) == 2, result.stderr
+    assert f'event="devices names GPU GPU-nope, which this node does not have {present}"' in result.stderr
+    assert (
+        f'event="sharing.timeSlicing.resources[0].devices names GPU 9, which this node does not have {present}"'
+        in result.stderr
+    )
+    assert len(json.loads(result.stdout)[GPU]["devices"]) == 2  # GPU 1's two replicas

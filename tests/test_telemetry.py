@@ -261,6 +261,7 @@ async def test_the_sampler_ties_use_to_grants_and_reports_each_excursion_once(
         labels = {
             "resource": "x.com/gpu",
             "device": "G0",
+            "uuid": "G0",
             "namespace": "ml",
             "pod": "train",
             "container": "main",
@@ -273,14 +274,14 @@ async def test_the_sampler_ties_use_to_grants_and_reports_each_excursion_once(
         assert (
             sample(
                 "kxpu_device_xid_errors_total",
-                {"resource": "x.com/gpu", "device": "G0", "vendor": "", "xid": "79"},
+                {"resource": "x.com/gpu", "device": "G0", "uuid": "G0", "vendor": "", "xid": "79"},
             )
             == 1
         )
         assert (
             sample(
                 "kxpu_device_clock_hertz",
-                {"resource": "x.com/gpu", "device": "G0", "vendor": "", "clock": "sm"},
+                {"resource": "x.com/gpu", "device": "G0", "uuid": "G0", "vendor": "", "clock": "sm"},
             )
             == 1e9
         )

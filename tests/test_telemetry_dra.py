@@ -211,6 +211,7 @@ async def test_dra_shares_whole_devices_and_device_plugin_pods_are_attributed(ri
     assert labels_a == {
         "resource": NPU,
         "device": uuid["npu-0"],
+        "uuid": uuid["npu-0"],
         "namespace": "ml",
         "pod": "a",
         "container": "main",

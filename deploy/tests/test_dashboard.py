@@ -191,6 +191,26 @@ def test_dashboard_filters_on_labels_the_metrics_have(dashboard: str) -> None:
 
 
 @by_dashboard
+def test_joins_match_on_labels_the_joined_metrics_have(dashboard: str) -> None:
+    """``a * on (x, y) b`` finds nothing unless both sides carry x and y (health and telemetry meet on
+    (resource, uuid)); ``group_left (z)`` copies z only if a joined side has it."""
+    labels = label_names()
+    series = exported()
+    for expr in expressions(load(dashboard)):
+        families = [series[name][0] for name, _ in selectors(expr) if name in series]
+        have = [labels[f] | TARGET_LABELS for f in families if f in labels]
+        for kind, names in re.findall(r"\b(on|group_left|group_right)\s*\(([^)]*)\)", expr):
+            wanted = {n.strip() for n in names.split(",") if n.strip()}
+            if kind == "on":
+                for family, own in zip([f for f in families if f in labels], have, strict=True):
+                    assert wanted <= own, (
+                        f"{family} has no label(s) {sorted(wanted - own)} to join on: {expr}"
+                    )
+            else:
+                assert any(wanted <= own for own in have), f"no joined metric has {sorted(wanted)}: {expr}"
+
+
+@by_dashboard
 def test_every_kxpu_metric_is_on_the_dashboard(dashboard: str) -> None:
     series = exported()
     exprs = expressions(load(dashboard))

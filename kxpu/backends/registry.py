@@ -41,6 +41,26 @@ class BackendConfig(BaseModel):
         return None
 
 
+def set_while_off(section: BaseModel, switch: str = "enabled") -> list[str]:
+    """The keys a file sets in a feature that is off by default and not switched on (its ``switch`` not
+    given): they would be accepted and ignored, which nobody writing them means. ``switch: false`` given
+    explicitly keeps them off on purpose."""
+    if switch in section.model_fields_set or getattr(section, switch):
+        return []
+    fields = type(section).model_fields
+    return sorted(fields[name].alias or name for name in section.model_fields_set)
+
+
+def refuse_set_while_off(section: BaseModel, what: str, switch: str = "enabled") -> None:
+    """ValueError naming the keys ``set_while_off`` finds, and the two ways out."""
+    keys = set_while_off(section, switch)
+    if keys:
+        raise ValueError(
+            f"{', '.join(keys)} set, but {what} is off: set {switch}: true to use "
+            f"{'them' if len(keys) > 1 else 'it'} (or {switch}: false to keep {what} off)"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
     key: str

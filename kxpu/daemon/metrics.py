@@ -13,7 +13,11 @@ from kxpu.model import Device
 # Allocate is sub-millisecond when healthy; the tail matters.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
-DEVICE_HEALTH = Gauge("kxpu_device_health", "1 if the device is healthy, 0 if not", ["resource", "device"])
+# `device` is the kubelet's device ID; `uuid` the physical device's (its UUID, else the ID), the label telemetry
+# series carry too, so that the two join on (resource, uuid) (docs/telemetry.md).
+DEVICE_HEALTH = Gauge(
+    "kxpu_device_health", "1 if the device is healthy, 0 if not", ["resource", "device", "uuid"]
+)
 RESOURCE_DEVICES = Gauge(
     "kxpu_resource_devices", "Devices of a resource as the kubelet sees them", ["resource", "state"]
 )
@@ -55,22 +59,32 @@ def observe_devices(resource: str, devices: Iterable[Device], previous: Mapping[
     """Update device gauges after a snapshot change, and count what turned bad."""
     current = {d.id: d for d in devices}
     for device_id, device in current.items():
-        DEVICE_HEALTH.labels(resource, device_id).set(1 if device.healthy else 0)
         before = previous.get(device_id)
+        if before is not None and _uuid(before) != _uuid(device):
+            _forget_health(resource, before)
+        DEVICE_HEALTH.labels(resource, device_id, _uuid(device)).set(1 if device.healthy else 0)
         if not device.healthy and (before is None or before.healthy):
             HEALTH_EVENTS.labels(resource, device.health_reason or "unknown").inc()
     for device_id in previous.keys() - current.keys():
-        DEVICE_HEALTH.remove(resource, device_id)
+        _forget_health(resource, previous[device_id])
         HEALTH_EVENTS.labels(resource, "removed").inc()
     RESOURCE_DEVICES.labels(resource, "capacity").set(len(current))
     RESOURCE_DEVICES.labels(resource, "allocatable").set(sum(d.healthy for d in current.values()))
 
 
-def forget_resource(resource: str, devices: Iterable[str]) -> None:
+def _uuid(device: Device) -> str:
+    return device.uuid or device.id
+
+
+def _forget_health(resource: str, device: Device) -> None:
+    with contextlib.suppress(KeyError):
+        DEVICE_HEALTH.remove(resource, device.id, _uuid(device))
+
+
+def forget_resource(resource: str, devices: Mapping[str, Device]) -> None:
     """A stopped resource exports nothing stale."""
-    for device_id in devices:
-        with contextlib.suppress(KeyError):
-            DEVICE_HEALTH.remove(resource, device_id)
+    for device in devices.values():
+        _forget_health(resource, device)
     for state in ("capacity", "allocatable"):
         with contextlib.suppress(KeyError):
             RESOURCE_DEVICES.remove(resource, state)

@@ -316,7 +316,7 @@ class TelemetrySampler:
         for key, kind in sorted(now.over - before.over):
             usage = by_key[key]
             event = GrantExceeded(usage, kind)
-            metrics.EXCEEDED.labels(*key, kind).inc()
+            metrics.count_exceeded(key, kind)
             log.warning("container exceeds its grant", detail=event.message, kind=kind)
             if self._on_exceeded is not None:
                 task = asyncio.get_running_loop().create_task(self._notify(event))

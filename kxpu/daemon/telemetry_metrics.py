@@ -10,7 +10,7 @@ with ``honorLabels: true`` so Prometheus keeps them rather than renaming them ``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, Counter, Histogram
@@ -20,9 +20,18 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from kxpu.daemon.telemetry import Snapshot
 
-DEVICE = ["resource", "device", "vendor"]
-CONTAINER = ["resource", "device", "namespace", "pod", "container", "claim"]
-HOLDER = ["resource", "device", "namespace", "pod", "container", "claim"]
+# `device` is the physical device's UUID (telemetry measures devices, not the kubelet's IDs for their replicas or
+# shares); `uuid` repeats it under the name kxpu_device_health also carries beside its kubelet device ID, so that
+# health and telemetry join: `kxpu_device_health * on (resource, uuid) group_left (model) kxpu_device_info`.
+DEVICE = ["resource", "device", "uuid", "vendor"]
+CONTAINER = ["resource", "device", "uuid", "namespace", "pod", "container", "claim"]
+HOLDER = ["resource", "device", "uuid", "namespace", "pod", "container", "claim"]
+
+
+def series(key: Sequence[str]) -> list[str]:
+    """The label values of a ``(resource, device UUID, ...)`` key in the order above (``uuid`` third)."""
+    return [key[0], key[1], key[1], *key[2:]]
+
 
 ERRORS = Counter("kxpu_telemetry_errors", "Telemetry sources that could not be read, by source", ["source"])
 SAMPLE_SECONDS = Histogram(
@@ -161,7 +170,7 @@ class TelemetryCollector(Collector):
             key = (view.resource, view.usage.uuid)
             processes[key] = processes.get(key, 0) + 1
         for resource, d in snap.devices:
-            labels = [resource, d.uuid, d.vendor or ""]
+            labels = series([resource, d.uuid, d.vendor or ""])
             f["kxpu_device_info"].add_metric(
                 [*labels, "" if d.index is None else str(d.index), d.model or ""], 1
             )
@@ -207,10 +216,10 @@ class TelemetryCollector(Collector):
         for h in snap.holders:
             for uuid in sorted(h.uuids):
                 f["kxpu_device_holder_info"].add_metric(
-                    [h.resource, uuid, h.namespace, h.pod, h.container, h.claim], 1
+                    series([h.resource, uuid, h.namespace, h.pod, h.container, h.claim]), 1
                 )
         for c in snap.containers:
-            labels = list(c.key)
+            labels = series(c.key)
             f["kxpu_container_processes"].add_metric(labels, len(c.pids))
             if c.memory_used_bytes is not None:
                 f["kxpu_container_memory_used_bytes"].add_metric(labels, c.memory_used_bytes)
@@ -227,9 +236,13 @@ class TelemetryCollector(Collector):
                     )
 
 
+def count_exceeded(key: tuple[str, str, str, str, str, str], kind: str) -> None:
+    EXCEEDED.labels(*series(key), kind).inc()
+
+
 def forget_exceeded(key: tuple[str, str, str, str, str, str], kind: str) -> None:
     with contextlib.suppress(KeyError):
-        EXCEEDED.remove(*key, kind)
+        EXCEEDED.remove(*series(key), kind)
 
 
 COLLECTOR = TelemetryCollector()

@@ -84,6 +84,18 @@ def _matches(ref: GpuRef, gpu: GpuInfo, mig: MigInfo | None = None) -> bool:
     return mig is not None and ref in (mig.uuid, mig.index_id)
 
 
+def _warn_missing(where: str, refs: Sequence[GpuRef], gpus: Sequence[GpuInfo]) -> None:
+    """One warning line per GPU (or MIG device) a selection names that this node does not have: its
+    settings would otherwise be silently ignored (a copied config, a node with fewer GPUs)."""
+    present = ", ".join(str(g.index) for g in gpus) or "none"
+    for ref in refs:
+        if not any(_matches(ref, g, m) for g in gpus for m in (None, *g.migs)):
+            log.warning(
+                f"{where} names GPU {ref}, which this node does not have (GPUs present: {present}); "
+                "its setting is ignored here"
+            )
+
+
 class NvidiaBackend(Backend):
     def __init__(
         self,
@@ -324,9 +336,7 @@ class NvidiaBackend(Backend):
         if refs == "all":
             return list(gpus)
         chosen = [g for g in gpus if any(_matches(r, g) for r in refs)]
-        for ref in refs:
-            if not any(_matches(ref, g) for g in gpus):
-                log.warning("devices names a GPU that is not on this node", gpu=str(ref))
+        _warn_missing("devices", refs, gpus)
         return chosen
 
     def _bases(self, gpus: list[GpuInfo]) -> list[tuple[GpuInfo, MigInfo | None]]:
@@ -379,6 +389,9 @@ class NvidiaBackend(Backend):
         by_index = self.config.device_id_strategy == "index"
         entries = self.config.sharing.replicas.resources
         key = "mps" if self.config.sharing.mps is not None else "timeSlicing"
+        for n, entry in enumerate(entries):
+            if entry.devices != "all":
+                _warn_missing(f"sharing.{key}.resources[{n}].devices", entry.devices, inventory.gpus)
         units: list[Unit] = []
         for gpu, mig in self._bases(self._selected(inventory.gpus)):
             if mig is not None:

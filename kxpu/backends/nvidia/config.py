@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from kxpu.backends.registry import BackendConfig
+from kxpu.backends.registry import BackendConfig, refuse_set_while_off, set_while_off
 
 # NVIDIA's application-error Xids: the job failed, the GPU is fine.
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
@@ -149,6 +149,11 @@ class HealthRecovery(BackendConfig):
     enabled: bool = False
     quiet_period_seconds: float = Field(default=300.0, gt=0)
 
+    @model_validator(mode="after")
+    def _not_ignored(self) -> HealthRecovery:
+        refuse_set_while_off(self, "health recovery")
+        return self
+
 
 class HealthConfig(BackendConfig):
     ignored_xids: list[int] = Field(default_factory=lambda: list(DEFAULT_IGNORED_XIDS), alias="ignoredXids")
@@ -244,6 +249,17 @@ class NvidiaConfig(BackendConfig):
         if self.mig_profile is not None and self.mig_strategy != "mixed":
             raise ValueError(
                 "migProfile selects a MIG profile under migStrategy: mixed; set migStrategy: mixed"
+            )
+        if self.shared_devices_allocation_policy == "packed" and not self.replicated:
+            raise ValueError(
+                "sharedDevicesAllocationPolicy packed places replicas, and no sharing.timeSlicing or sharing.mps "
+                "resources make any: add replicas, or drop the key"
+            )
+        unused = [] if self.mps_active else set_while_off(self.mps)
+        if unused:
+            raise ValueError(
+                f"mps: {', '.join(unused)} set, but MPS is off: set mps.enabled: true or give sharing.mps "
+                "replicas (or mps.enabled: false to keep MPS off)"
             )
         if self.mps_active and self.mig_strategy == "mixed":
             raise ValueError("MPS cannot share MIG devices: migStrategy mixed is not supported with MPS")
