@@ -179,6 +179,7 @@ def plugin(
 
 def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any) -> Any:
     """The DRA half of a resource: its API client and the kubelet directories of the running config."""
+    from kxpu.dra.claim_cache import ClaimCache
     from kxpu.dra.kube import DraKube
     from kxpu.dra.plugin import DraPlugin
 
@@ -202,6 +203,7 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         resource.dra,
         config.pod_resources_socket,
         close=kube.close,
+        claim_cache=ClaimCache(resource.dra_driver, node, kube),
     )
 
 

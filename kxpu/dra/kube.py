@@ -7,7 +7,7 @@ Objects cross this boundary as plain dicts (the JSON the API serves), so everyth
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from lightkube import ApiError, AsyncClient
@@ -91,6 +91,21 @@ class DraKube:
                 return None
             raise
         return dict(claim)
+
+    # -- ClaimWatchApi (the claim cache) ----------------------------------------------------------------
+    async def list_claims(self, each: Callable[[Mapping[str, Any]], None]) -> str | None:
+        # Paged, so a cluster of many claims is never one answer in memory.
+        listing = self.client.list(_Claim, namespace="*", chunk_size=500)
+        async for claim in listing:
+            each(claim)
+        try:
+            return str(listing.resourceVersion)
+        except Exception:  # lightkube's NotReadyError: no page came back
+            return None
+
+    async def watch_claims(self, version: str | None) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
+        async for kind, claim in self.client.watch(_Claim, namespace="*", resource_version=version):
+            yield kind, claim
 
     async def claim_event(self, claim: ClaimRef, reason: str, message: str) -> None:
         try:

@@ -33,9 +33,15 @@ SLICE_WRITES = Counter(
 POOL_GENERATION = Gauge(
     "kxpu_dra_pool_generation", "Generation of the node's pool as last published", ["driver"]
 )
+CLAIM_READS = Counter(
+    "kxpu_dra_claim_reads",
+    "Claims prepare read, by source (cache: the node's watch-fed claim cache; api: a GET)",
+    ["driver", "source"],
+)
 
 METRIC_NAMES = frozenset(
     {
+        "kxpu_dra_claim_reads",
         "kxpu_dra_prepare_duration_seconds",
         "kxpu_dra_unprepare_duration_seconds",
         "kxpu_dra_prepare_errors",
