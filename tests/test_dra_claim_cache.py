@@ -54,7 +54,7 @@ def claim(name: str, uid: str, results: list[dict[str, Any]] | None, **extra_sta
 
 
 def reads(source: str) -> float:
-    return metrics.CLAIM_READS.labels(DRIVER, source)._value.get()
+    return float(metrics.CLAIM_READS.labels(DRIVER, source)._value.get())
 
 
 @pytest.fixture
