@@ -203,7 +203,7 @@ def _dra(daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any)
         resource.dra,
         config.pod_resources_socket,
         close=kube.close,
-        claim_cache=ClaimCache(resource.dra_driver, node, kube),
+        claim_cache=ClaimCache(resource.dra_driver, node, kube) if resource.dra.claim_cache else None,
     )
 
 
