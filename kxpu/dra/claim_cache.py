@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kxpu.daemon.backoff import Backoff
+from kxpu.dra import metrics
 from kxpu.logs import error_text, get_logger
 
 log = get_logger("kxpu.dra.claim_cache")
@@ -103,8 +104,7 @@ class ClaimCache:
         self.api = api
         self.synced = False
         self._claims: dict[str, dict[str, Any]] = {}  # UID → trimmed claim
-        self.hits = 0
-        self.misses = 0
+        self._size = metrics.CLAIM_CACHE_CLAIMS.labels(driver)
         self.log = log.bind(driver=driver)
 
     def __len__(self) -> int:
@@ -115,10 +115,9 @@ class ClaimCache:
         (see the module's docstring). None: read it from the API server."""
         claim = self._claims.get(uid) if self.synced else None
         if claim is None or claim["metadata"]["namespace"] != namespace or claim["metadata"]["name"] != name:
-            self.misses += 1
             return None
         del self._claims[uid]
-        self.hits += 1
+        self._size.set(len(self._claims))
         return claim
 
     def apply(self, kind: str, claim: Mapping[str, Any]) -> None:
@@ -131,6 +130,7 @@ class ClaimCache:
             self._claims.pop(uid, None)
         else:
             self._claims[uid] = kept
+        self._size.set(len(self._claims))
 
     def forget(self) -> None:
         """The watch broke: answer nothing until the next list has ended."""
@@ -150,6 +150,7 @@ class ClaimCache:
 
         version = await self.api.list_claims(keep)
         self._claims = fresh
+        self._size.set(len(fresh))
         self.synced = True
         return version
 
