@@ -12,10 +12,9 @@ from typing import Any
 import click
 
 from kxpu.backends.registry import build_backend, import_backend_module
-from kxpu.config import Config, ConfigError, ResourceConfig, load_config
+from kxpu.config import DEFAULT_POD_RESOURCES_SOCKET, Config, ConfigError, ResourceConfig, load_config
 from kxpu.logs import LOG_LEVELS, configure_logging, error_text, get_logger
 from kxpu.model import Backend, Closable, Device, NodeLabeller
-from kxpu.status import DEFAULT_POD_RESOURCES_SOCKET
 
 log = get_logger("kxpu.cli")
 
