@@ -53,3 +53,15 @@ def test_a_simulated_device_plugin_node_loads_no_cluster_client_or_other_backend
     loaded = set(json.loads(out.stdout.splitlines()[-1]))
     assert "kxpu.daemon" in loaded  # the probe did load the serving path
     assert sorted(m for m in NOT_FOR_A_SIMULATED_DEVICE_PLUGIN if m in loaded) == []
+
+
+def test_the_dra_driver_loads_the_kubernetes_client_only_on_its_first_api_call() -> None:
+    probe = (
+        "import json, sys, kxpu.cli, kxpu.dra.kube, kxpu.dra.plugin; print(json.dumps(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60
+    )
+    loaded = set(json.loads(out.stdout.splitlines()[-1]))
+    assert "kxpu.dra.plugin" in loaded
+    assert sorted(m for m in ("lightkube", "httpx", "kxpu.kube.client") if m in loaded) == []
