@@ -128,7 +128,9 @@ class Kxpu(Contender):
                     "name": "example.com/npu",
                     "simulated": {"count": DEVICES, "model": "sim", "memoryMiB": 16384},
                     "serve": "dra",
-                    "dra": {"nodeName": NODE, "cdiSpecDir": str(self.cdi), "claimCache": cache},
+                    # claimCache only when off: a --baseline tree from before the cache has no such key.
+                    "dra": {"nodeName": NODE, "cdiSpecDir": str(self.cdi)}
+                    | ({} if cache else {"claimCache": False}),
                 }
             ],
         }
@@ -145,6 +147,27 @@ class Kxpu(Contender):
             "--log-level",
             "warning",
         ]
+
+
+class KxpuFromTree(Kxpu):
+    """``kxpu plugin`` from another source tree (``--baseline``) or this one, started the same way for both
+    (``python -S -m kxpu``, the tree and this venv's site-packages on the path): start-up only."""
+
+    def __init__(self, work: Path, tree: Path, name: str) -> None:
+        super().__init__(work, cache=True)
+        self.name, self.tree = name, tree
+        self.metrics_port = None
+
+    def command(self) -> list[str]:
+        return [str(REPO / ".venv" / "bin" / "python"), "-S", "-m", "kxpu", *super().command()[1:]]
+
+    def start(self, kubeconfig: Path) -> None:
+        site = next((REPO / ".venv" / "lib").glob("python3*/site-packages"))
+        os.environ["PYTHONPATH"] = f"{self.tree}:{site}"
+        try:
+            super().start(kubeconfig)
+        finally:
+            del os.environ["PYTHONPATH"]
 
 
 class GoExample(Contender):
@@ -365,6 +388,12 @@ async def bench(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
                     got = await run_contender(client, contender, cluster.kubeconfig, claims)
                     for k, v in got.items():
                         results.setdefault(contender.name, {}).setdefault(k, []).append(v)
+                if args.baseline is not None:
+                    for name, tree in (("kxpu-start@baseline", args.baseline), ("kxpu-start@tree", REPO)):
+                        contender = KxpuFromTree(Path(tempfile.mkdtemp(dir=tmp)), tree, name)
+                        got = await run_contender(client, contender, cluster.kubeconfig, 0)
+                        for k, v in got.items():
+                            results.setdefault(name, {}).setdefault(k, []).append(v)
             if args.foreign:
                 results["foreign"] = await foreign(
                     client,
@@ -413,6 +442,10 @@ def table(results: dict[str, Any]) -> str:
             f"{name}: claims read from the cache {results[name].get('claim_reads_cache', 0):g}, "
             f"by GET {results[name].get('claim_reads_api', 0):g}"
         )
+    if "kxpu-start@baseline" in results:
+        before = results["kxpu-start@baseline"]["exec_to_registered_ms"]
+        after = results["kxpu-start@tree"]["exec_to_registered_ms"]
+        lines.append(f"exec → registered (python -S -m kxpu): baseline {before} ms, this tree {after} ms")
     if "foreign" in results:
         f = results["foreign"]
         lines.append(
