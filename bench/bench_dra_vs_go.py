@@ -19,7 +19,8 @@ NodeUnprepareResources p50, the driver's CPU per claim (prepare + unprepare), it
 the ratios to the Go driver. ``--foreign N`` then creates N claims allocated to other nodes' pools while kxpu
 (with its cache) runs, and reports its RSS before and after and what its cache holds.
 
-``python bench/bench_dra_vs_go.py [--claims 300] [--foreign 0] [--rounds 1] [--json] [--full-cluster]``
+``python bench/bench_dra_vs_go.py [--claims 300] [--foreign 0] [--rounds 1] [--baseline TREE] [--json]
+[--full-cluster]``
 """
 
 from __future__ import annotations
@@ -464,6 +465,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--full-cluster", action="store_true", help="the normal cluster, not the control plane"
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another kxpu source tree (a git worktree): its start-up beside this tree's",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
