@@ -16,6 +16,11 @@ It never answers with a stale or foreign object:
   deallocated and allocated again (same UID, new devices) is read from the API server, or from the watch
   event that brought the new allocation — never from the entry the first prepare used.
 
+What remains: the cache is as fresh as its watch. A claim allocated here, never prepared, then deallocated
+and allocated again here to other devices (same UID) while the watch lags behind all of that would be
+answered with its first allocation; the kubelet asks only once the scheduler has placed the pod, so the
+watch would have to trail the scheduler, the binding and the kubelet's own read of the claim.
+
 A miss is never an error: the preparer reads the claim from the API server (a GET), as without a cache.
 ``allocation_for`` checks a hit exactly as it checks a GET's answer.
 
