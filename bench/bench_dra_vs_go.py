@@ -20,7 +20,7 @@ the ratios to the Go driver. ``--foreign N`` then creates N claims allocated to 
 (with its cache) runs, and reports its RSS before and after and what its cache holds.
 
 ``python bench/bench_dra_vs_go.py [--claims 300] [--foreign 0] [--rounds 1] [--baseline TREE] [--json]
-[--full-cluster]``
+[--full-cluster]``; ``--startup RUNS [--baseline TREE]``: only exec → registered, without a cluster.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,7 +90,10 @@ class Contender:
     def start(self, kubeconfig: Path) -> None:
         log = (self.work / "driver.log").open("ab")
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "NODE_NAME": NODE}
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
+        # In its own directory: ``python -m kxpu`` would otherwise import kxpu from the current directory first.
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.work
+        )
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -251,7 +255,9 @@ async def wait_for(check: Any, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
-async def run_contender(client: AsyncClient, c: Contender, kubeconfig: Path, claims: int) -> dict[str, float]:
+async def run_contender(
+    client: AsyncClient | None, c: Contender, kubeconfig: Path, claims: int
+) -> dict[str, float]:
     kubelet = DraKubeletStandIn(c.registry)
     await kubelet.start()
     loop = asyncio.get_running_loop()
@@ -262,7 +268,7 @@ async def run_contender(client: AsyncClient, c: Contender, kubeconfig: Path, cla
         out: dict[str, float] = {
             "exec_to_registered_ms": round((registered.registered_at - started) * 1000, 1)
         }
-        if not claims:
+        if not claims or client is None:
             return out
 
         async def published() -> bool:
@@ -315,7 +321,8 @@ async def run_contender(client: AsyncClient, c: Contender, kubeconfig: Path, cla
     finally:
         c.stop()
         await kubelet.stop()
-        await delete_claims(client)
+        if client is not None:
+            await delete_claims(client)
 
 
 async def foreign(client: AsyncClient, c: Kxpu, kubeconfig: Path, count: int) -> dict[str, float]:
@@ -412,6 +419,21 @@ async def bench(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+async def startup(runs: int, baseline: Path | None) -> dict[str, float]:
+    """exec → registered without a cluster (KUBECONFIG points nowhere: the API calls fail after registration),
+    interleaved runs of the bare registrar, ``--baseline``'s kxpu and this tree's; medians."""
+    samples: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="kxpu-startup-") as tmp:
+        for _ in range(runs):
+            trees = [("kxpu@baseline", baseline)] if baseline is not None else []
+            for name, tree in [("bare", None), *trees, ("kxpu@tree", REPO)]:
+                work = Path(tempfile.mkdtemp(dir=tmp))
+                contender = Bare(work) if tree is None else KxpuFromTree(work, tree, name)
+                got = await run_contender(None, contender, Path("/nonexistent"), 0)
+                samples.setdefault(name, []).append(got["exec_to_registered_ms"])
+    return {name: round(statistics.median(v), 1) for name, v in samples.items()}
+
+
 def table(results: dict[str, Any]) -> str:
     go = results["go"]
     rows = [
@@ -471,8 +493,22 @@ def main() -> int:
         type=Path,
         help="another kxpu source tree (a git worktree): its start-up beside this tree's",
     )
+    parser.add_argument(
+        "--startup",
+        type=int,
+        metavar="RUNS",
+        help="only exec → registered, without a cluster (no root): RUNS interleaved runs of each",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.startup:
+        medians = asyncio.run(startup(args.startup, args.baseline))
+        print(
+            f"exec → registered, no cluster, medians of {args.startup} interleaved runs ({os.cpu_count()} CPUs):"
+        )
+        for name, ms in medians.items():
+            print(f"  {name}: {ms} ms")
+        return 0
     if os.geteuid() != 0:
         print("bench_dra_vs_go.py needs root (the e2e cluster)", file=sys.stderr)
         return 2
