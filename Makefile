@@ -66,8 +66,9 @@ bench: dev
 ifeq ($(ROOT),0)
 	hack/cluster/build.sh k8s
 	$(BIN)/python bench/bench_dra_sharing.py --control-plane-only
+	$(BIN)/python bench/bench_dra_vs_go.py --foreign 10000
 else
-	@echo "bench/bench_dra_sharing.py skipped: it needs root (the e2e cluster's control plane)"
+	@echo "bench/bench_dra_sharing.py and bench_dra_vs_go.py skipped: they need root (the e2e cluster's control plane)"
 endif
 
 ## Regenerate kxpu/api from its .proto files (committed; `lint` checks they are current).

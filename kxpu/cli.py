@@ -12,10 +12,9 @@ from typing import Any
 import click
 
 from kxpu.backends.registry import build_backend, import_backend_module
-from kxpu.config import Config, ConfigError, ResourceConfig, load_config
+from kxpu.config import DEFAULT_POD_RESOURCES_SOCKET, Config, ConfigError, ResourceConfig, load_config
 from kxpu.logs import LOG_LEVELS, configure_logging, error_text, get_logger
 from kxpu.model import Backend, Closable, NodeLabeller
-from kxpu.status import DEFAULT_POD_RESOURCES_SOCKET
 
 log = get_logger("kxpu.cli")
 
@@ -248,6 +247,7 @@ def _dra(
     daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any, leftovers: Any = None
 ) -> Any:
     """The DRA half of a resource: its API client and the kubelet directories of the running config."""
+    from kxpu.dra.claim_cache import ClaimCache
     from kxpu.dra.kube import DraKube
     from kxpu.dra.plugin import DraPlugin
 
@@ -271,6 +271,7 @@ def _dra(
         resource.dra,
         config.pod_resources_socket,
         close=kube.close,
+        claim_cache=ClaimCache(resource.dra_driver, node, kube) if resource.dra.claim_cache else None,
     )
     if leftovers is not None:  # never prepare what a drained (renamed or removed) driver's claims still hold
         plugin.preparer.elsewhere = lambda: leftovers.withheld_from(resource.name)

@@ -752,7 +752,7 @@ def test_dra_rbac_is_exact(dra: Rendered) -> None:
     assert rules(dra.one("ClusterRole", "kxpu-plugin-dra")) == [
         ("", "events", (), ("create",)),
         ("", "nodes", (), ("get",)),
-        ("resource.k8s.io", "resourceclaims", (), ("get",)),
+        ("resource.k8s.io", "resourceclaims", (), ("get", "list", "watch")),
         ("resource.k8s.io", "resourceslices", (), ("list", "watch", "create", "update", "delete")),
     ]
     assert "ClusterRole/kxpu-plugin-dra" in bound_roles(dra, "kxpu-plugin")

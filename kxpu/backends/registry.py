@@ -114,6 +114,7 @@ def import_backend_module(module: str) -> None:
 # Built-in backends heavy enough (big config models, vendor libraries) to import only when a config
 # names them: every node daemon pays for what it loads.
 _LAZY_BUILTINS = {
+    "generic": "kxpu.backends.generic",
     "nvidia": "kxpu.backends.nvidia",
     "neuron": "kxpu.backends.neuron",
     "cambricon": "kxpu.backends.cambricon",

@@ -90,6 +90,11 @@ class DraConfig(BaseModel):
     shares: DraSharesConfig | None = Field(
         default=None, description="consumable capacity: several claims per device"
     )
+    claim_cache: bool = Field(
+        default=True,
+        description="keep this node's allocated claims from a watch (list and watch on resourceclaims), so "
+        "prepare needs no GET; false: a GET per prepare, get alone suffices",
+    )
 
     @field_validator("driver_name")
     @classmethod

@@ -7,31 +7,54 @@ Objects cross this boundary as plain dicts (the JSON the API serves), so everyth
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
-
-from lightkube import ApiError, AsyncClient
-from lightkube.generic_resource import GenericGlobalResource, GenericNamespacedResource, create_api_info
-from lightkube.resources.core_v1 import Node
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from kxpu.dra.prepare import ClaimRef
-from kxpu.kube.client import is_status, make_client, post_event
 from kxpu.logs import error_text, get_logger
+
+if TYPE_CHECKING:
+    from lightkube import AsyncClient
 
 log = get_logger("kxpu.dra.kube")
 
 COMPONENT = "kxpu-dra"
 
-
-# The resources as plain JSON dicts (lightkube's generic resources), not its typed models: a claim read on
-# every NodePrepareResources and slices of up to 128 devices would otherwise be parsed into objects only to
-# be turned back into dicts (milliseconds a claim, most of the driver's CPU per prepare).
-class _Claim(GenericNamespacedResource):
-    _api_info = create_api_info("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
+# lightkube and its models (~80 ms of imports) load on the driver's first API call, in a worker thread: the
+# driver binds its sockets and registers with the kubelet meanwhile, instead of after.
+_lk: Any = None
+_loading = threading.Lock()
 
 
-class _Slice(GenericGlobalResource):
-    _api_info = create_api_info("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
+def _load() -> Any:
+    global _lk
+    with _loading:
+        if _lk is not None:
+            return _lk
+        from lightkube import ApiError
+        from lightkube.generic_resource import (
+            GenericGlobalResource,
+            GenericNamespacedResource,
+            create_api_info,
+        )
+        from lightkube.resources.core_v1 import Node
+
+        from kxpu.kube import client
+
+        # The resources as plain JSON dicts (lightkube's generic resources), not its typed models: a claim
+        # read on every NodePrepareResources and slices of up to 128 devices would otherwise be parsed into
+        # objects only to be turned back into dicts (milliseconds a claim, most of the driver's CPU per prepare).
+        class Claim(GenericNamespacedResource):
+            _api_info = create_api_info("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
+
+        class Slice(GenericGlobalResource):
+            _api_info = create_api_info("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
+
+        _lk = SimpleNamespace(ApiError=ApiError, Node=Node, Claim=Claim, Slice=Slice, kube=client)
+        return _lk
 
 
 class DraKube:
@@ -50,52 +73,82 @@ class DraKube:
     @property
     def client(self) -> AsyncClient:
         if self._client is None:
-            self._client = make_client()
+            self._client = _load().kube.make_client()
         return self._client
+
+    async def _api(self) -> tuple[Any, AsyncClient]:
+        """lightkube (imported in a thread the first time) and the client."""
+        lk = _lk if _lk is not None else await asyncio.to_thread(_load)
+        return lk, self.client
 
     # -- SliceApi ---------------------------------------------------------------------------------------
     async def node_uid(self, node: str) -> str:
-        obj = await self.client.get(Node, node)
+        lk, client = await self._api()
+        obj = await client.get(lk.Node, node)
         if obj.metadata is None or not obj.metadata.uid:
             raise RuntimeError(f"node {node} has no UID")
         return str(obj.metadata.uid)
 
     async def list_slices(self, driver: str, node: str) -> list[dict[str, Any]]:
+        lk, client = await self._api()
         fields: dict[str, Any] = {"spec.driver": driver, "spec.nodeName": node}
-        return [dict(obj) async for obj in self.client.list(_Slice, fields=fields)]
+        return [dict(obj) async for obj in client.list(lk.Slice, fields=fields)]
 
     async def create_slice(self, body: dict[str, Any]) -> dict[str, Any]:
-        return dict(await self.client.create(_Slice.from_dict(body)))
+        lk, client = await self._api()
+        return dict(await client.create(lk.Slice.from_dict(body)))
 
     async def replace_slice(self, body: dict[str, Any]) -> dict[str, Any]:
-        return dict(await self.client.replace(_Slice.from_dict(body)))
+        lk, client = await self._api()
+        return dict(await client.replace(lk.Slice.from_dict(body)))
 
     async def watch_slices(self, driver: str, node: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        lk, client = await self._api()
         fields: dict[str, Any] = {"spec.driver": driver, "spec.nodeName": node}
-        async for kind, obj in self.client.watch(_Slice, fields=fields):
+        async for kind, obj in client.watch(lk.Slice, fields=fields):
             yield kind, dict(obj)
 
     async def delete_slice(self, name: str) -> None:
+        lk, client = await self._api()
         try:
-            await self.client.delete(_Slice, name)
-        except ApiError as exc:
-            if not is_status(exc, 404):
+            await client.delete(lk.Slice, name)
+        except lk.ApiError as exc:
+            if not lk.kube.is_status(exc, 404):
                 raise
 
     # -- ClaimSource ------------------------------------------------------------------------------------
     async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        lk, client = await self._api()
         try:
-            claim = await self.client.get(_Claim, name, namespace=namespace)
-        except ApiError as exc:
-            if is_status(exc, 404):
+            claim = await client.get(lk.Claim, name, namespace=namespace)
+        except lk.ApiError as exc:
+            if lk.kube.is_status(exc, 404):
                 return None
             raise
         return dict(claim)
 
+    # -- ClaimWatchApi (the claim cache) ----------------------------------------------------------------
+    async def list_claims(self, each: Callable[[Mapping[str, Any]], None]) -> str | None:
+        # Paged, so a cluster of many claims is never one answer in memory.
+        lk, client = await self._api()
+        listing = client.list(lk.Claim, namespace="*", chunk_size=500)
+        async for claim in listing:
+            each(claim)
+        try:
+            return str(listing.resourceVersion)
+        except Exception:  # lightkube's NotReadyError: no page came back
+            return None
+
+    async def watch_claims(self, version: str | None) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
+        lk, client = await self._api()
+        async for kind, claim in client.watch(lk.Claim, namespace="*", resource_version=version):
+            yield kind, claim
+
     async def claim_event(self, claim: ClaimRef, reason: str, message: str) -> None:
         try:
-            await post_event(
-                self.client,
+            lk, client = await self._api()
+            await lk.kube.post_event(
+                client,
                 "ResourceClaim",
                 claim.namespace,
                 claim.name,

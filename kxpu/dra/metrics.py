@@ -33,9 +33,21 @@ SLICE_WRITES = Counter(
 POOL_GENERATION = Gauge(
     "kxpu_dra_pool_generation", "Generation of the node's pool as last published", ["driver"]
 )
+CLAIM_READS = Counter(
+    "kxpu_dra_claim_reads",
+    "Claims prepare read, by source (cache: the node's watch-fed claim cache; api: a GET)",
+    ["driver", "source"],
+)
+CLAIM_CACHE_CLAIMS = Gauge(
+    "kxpu_dra_claim_cache_claims",
+    "Claims the node's claim cache holds (allocated on this node, not yet prepared)",
+    ["driver"],
+)
 
 METRIC_NAMES = frozenset(
     {
+        "kxpu_dra_claim_cache_claims",
+        "kxpu_dra_claim_reads",
         "kxpu_dra_prepare_duration_seconds",
         "kxpu_dra_unprepare_duration_seconds",
         "kxpu_dra_prepare_errors",

@@ -39,6 +39,7 @@ from kxpu.daemon.serving import stop_server
 from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import Checkpoint
+from kxpu.dra.claim_cache import ClaimCache
 from kxpu.dra.config import DraConfig, dra_socket, registration_socket
 from kxpu.dra.prepare import ClaimSource, Preparer
 from kxpu.dra.publisher import SliceApi, SlicePublisher
@@ -134,6 +135,7 @@ class DraPlugin:
         settings: DraConfig | None = None,
         pod_resources: Path | None = None,
         close: Callable[[], Awaitable[None]] | None = None,
+        claim_cache: ClaimCache | None = None,
     ) -> None:
         settings = settings or DraConfig()
         self._close = close  # what this plugin's API client needs when the plugin stops
@@ -159,6 +161,7 @@ class DraPlugin:
             claims,
             settings.shares,
         )
+        self.claim_cache = self.preparer.claim_cache = claim_cache
         shares = settings.shares
         policy = (
             SharePolicy(
@@ -230,6 +233,8 @@ class DraPlugin:
                     tasks.create_task(self._follow_held())
                 tasks.create_task(self._publish_loop())
                 tasks.create_task(self._release_deleted_claims())
+                if self.claim_cache is not None:
+                    tasks.create_task(self.claim_cache.run())
                 tasks.create_task(self._watch_slices())
                 tasks.create_task(self._watch_dirs())
                 tasks.create_task(self._serve_loop())
