@@ -771,6 +771,20 @@ def test_dra_daemonsets_get_the_plugin_dirs_node_name_and_token(dra: Rendered) -
         assert pod["automountServiceAccountToken"] is True
 
 
+def test_a_draining_driver_keeps_the_plugin_dirs_api_access_and_its_slices_in_the_policy(helm: Path) -> None:
+    """A resource moved from DRA to the device plugin: listed in dra.drainingDrivers, the new pods still see the
+    claims' checkpoint (so its devices are withheld and its claims unprepared), with no DeviceClass to claim."""
+    rendered = template(helm, "--set", "dra.drainingDrivers={npu.example.com}")
+    assert not rendered.kinds("DeviceClass")
+    assert "ClusterRole/kxpu-plugin-dra" in bound_roles(rendered, "kxpu-plugin")
+    container = rendered.one("DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["kubelet-plugins"] == "/var/lib/kubelet/plugins"
+    assert mounts["plugins-registry"] == "/var/lib/kubelet/plugins_registry"
+    policy = rendered.one("ValidatingAdmissionPolicy")
+    assert '["npu.example.com"]' in [v["expression"] for v in policy["spec"]["variables"]]
+
+
 @pytest.mark.parametrize(
     ("scheme", "accept_hmac", "extender", "nodes", "node_secret"),
     [

@@ -262,6 +262,14 @@ dra.driverName or the resource name turned around as kxpu derives it (example.co
 {{- end }}
 {{- end }}
 {{- end }}
+{{- /* Drivers no resource serves through DRA any more whose prepared claims the daemon still drains
+(dra.drainingDrivers): they keep the mounts, the API access and their slices' place in the node policy. */}}
+{{- range (.Values.dra.drainingDrivers | default list) }}
+{{- if not (hasKey $seen .) }}
+{{- $_ := set $seen . true }}
+{{- $drivers = append $drivers (dict "resource" "" "driver" . "draining" true) }}
+{{- end }}
+{{- end }}
 {{- toYaml $drivers }}
 {{- end }}
 
