@@ -72,7 +72,9 @@ async def test_idle_connections_are_closed_by_the_timeout_without_threads(
     threads = threading.active_count()
     clients = [await _open(http.port) for _ in range(50)]
     await wait_until(lambda: http.connections == 50, what="the server to hold 50 connections")
-    assert threading.active_count() == threads  # no thread per connection
+    assert (
+        threading.active_count() <= threads
+    )  # no thread per connection (an earlier test's may end meanwhile)
     # Each idle client is told 408 and closed, within the request timeout (not by the client going away).
     answers = await asyncio.gather(*(_answer(reader) for reader, _ in clients))
     assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers)
