@@ -133,7 +133,8 @@ def lease_path(name: str) -> str:
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 
-def slice_body(name: str, node: str, driver: str) -> dict[str, Any]:
+def slice_body(name: str, node: str, driver: str, pool: str | None = None) -> dict[str, Any]:
+    """A slice as kxpu publishes it: one pool per node, named after the node (``pool`` to forge another)."""
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceSlice",
@@ -141,7 +142,7 @@ def slice_body(name: str, node: str, driver: str) -> dict[str, Any]:
         "spec": {
             "driver": driver,
             "nodeName": node,
-            "pool": {"name": f"sec-test-{node}", "generation": 1, "resourceSliceCount": 1},
+            "pool": {"name": pool or node, "generation": 1, "resourceSliceCount": 1},
             "devices": [],
         },
     }
@@ -389,6 +390,14 @@ def test_a_node_token_is_refused_beyond_its_node(secured: Cluster) -> None:
         ),
         "another node's lock Lease": node.send(
             "PATCH", lease_path(lease_name(OTHER_NODE, RES)), {"spec": {"holderIdentity": None}}, MERGE
+        ),
+        # A holder it wrote could name any pending pod, which the extender's sweep would then mark Failed.
+        "a new holder in its own lock Lease": node.send(
+            "PATCH", lease_path(lease_name(NODE_NAME, RES)), {"spec": {"holderIdentity": "forged"}}, MERGE
+        ),
+        # Another node's device names in a pool of that name would make that node's devices look allocated.
+        "a slice on its node in another node's pool": node.send(
+            "POST", SLICES, slice_body("sec-node-other-pool", NODE_NAME, DRIVER, pool=OTHER_NODE)
         ),
         "another node's slice (create)": node.send(
             "POST", SLICES, slice_body("sec-node-other-node", OTHER_NODE, DRIVER)

@@ -127,6 +127,16 @@ async def kubelet_assignments(socket: Path) -> tuple[dict[tuple[str, str], list[
     return held, claims
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """The daemon never redirects: a redirect is an error, not a hop to another host."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
+
+
 class DaemonRefused(Exception):
     """The daemon answered /status with an error (401, 403, 503): its reason, and what to do."""
 
@@ -134,10 +144,10 @@ class DaemonRefused(Exception):
 def daemon_status(base_url: str, token: str | None = None) -> dict[str, Any]:
     """GET /status, sending ``token`` as a bearer token when given (the daemon's --http-auth=kubernetes)."""
     request = urllib.request.Request(f"{base_url.rstrip('/')}/status")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
+    if token:  # never re-sent to wherever a redirect points
+        request.add_unredirected_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with _NO_REDIRECTS.open(request, timeout=10) as response:
             doc: dict[str, Any] = json.load(response)
     except urllib.error.HTTPError as exc:
         try:
@@ -630,8 +640,10 @@ def _loopback(url: str) -> bool:
 
 def status_token(daemon_url: str, token_file: Path | None, kubeconfig: Path | None) -> str | None:
     """The bearer token `kxpu status` sends the daemon: ``--token-file``; else, to a daemon on this host only
-    (a token is a credential, and /status is plain HTTP), the pod's service-account token or the kubeconfig
-    user's token. None when there is none (a daemon with --http-auth=none needs none)."""
+    (a token is a credential, and /status is plain HTTP), the pod's service-account token, or the token of the
+    user of a kubeconfig named with ``--kubeconfig`` — never one picked up from ``$KUBECONFIG`` or
+    ``~/.kube/config`` unasked (an operator's token would go to whatever answers on that port, a node root
+    controls it). None when there is none (a daemon with --http-auth=none needs none)."""
     if token_file is not None:
         try:
             return token_file.read_text().strip() or None
@@ -639,7 +651,7 @@ def status_token(daemon_url: str, token_file: Path | None, kubeconfig: Path | No
             raise TokenError(f"--token-file {token_file}: {exc.strerror or exc}") from None
     if not _loopback(daemon_url):
         return None
-    if kubeconfig is None and SERVICE_ACCOUNT_TOKEN.is_file():
+    if kubeconfig is None:
         try:
             return SERVICE_ACCOUNT_TOKEN.read_text().strip() or None
         except OSError:
@@ -647,12 +659,9 @@ def status_token(daemon_url: str, token_file: Path | None, kubeconfig: Path | No
     from lightkube import ConfigError, KubeConfig
 
     try:
-        config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
-        single = config.get()
+        single = KubeConfig.from_file(kubeconfig).get()
     except (ConfigError, OSError, ValueError):
-        if kubeconfig is not None:
-            raise TokenError(f"--kubeconfig {kubeconfig}: cannot read it") from None
-        return None
+        raise TokenError(f"--kubeconfig {kubeconfig}: cannot read it") from None
     user = single.user if single is not None else None
     if user is None:
         return None

@@ -68,7 +68,7 @@ async def _get(port: int, path: str, headers: str = "") -> tuple[int, bytes]:
 async def test_idle_connections_are_closed_by_the_timeout_without_threads(
     server: Callable[..., Any],
 ) -> None:
-    http = await server(request_seconds=0.5, connections=100)
+    http = await server(request_seconds=0.5, connections=100, per_address=100)
     threads = threading.active_count()
     clients = [await _open(http.port) for _ in range(50)]
     await wait_until(lambda: http.connections == 50, what="the server to hold 50 connections")
@@ -133,6 +133,23 @@ async def test_connections_past_the_limit_are_refused_and_served_again_below_it(
     assert (await _get(http.port, "/healthz"))[0] == 200
     for _, writer in held[1:]:
         writer.close()
+
+
+async def test_one_client_address_gets_only_its_share_of_connections(server: Callable[..., Any]) -> None:
+    """One pod holding connections open cannot take the port (and the kubelet's probes) by itself."""
+    http = await server(connections=10, per_address=3, request_seconds=30)
+    held = [await _open(http.port) for _ in range(3)]
+    await wait_until(lambda: http.connections == 3, what="3 connections held")
+    status, body = await _get(http.port, "/healthz")
+    assert status == 503 and json.loads(body) == {"error": "too many connections from one address"}
+    reader, writer = await asyncio.open_connection("127.0.0.1", http.port, local_addr=("127.0.0.2", 0))
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert (await _answer(reader)).startswith(b"HTTP/1.1 200 ")  # another address is still served
+    writer.close()
+    for _, held_writer in held:
+        held_writer.close()
+    await wait_until(lambda: http.connections == 0, what="the held connections to go")
+    assert (await _get(http.port, "/healthz"))[0] == 200
 
 
 async def test_oversized_or_unexpected_requests_are_refused(server: Callable[..., Any]) -> None:

@@ -19,7 +19,7 @@ from lightkube import AsyncClient, KubeConfig
 from kxpu.daemon.http import HealthServer
 from kxpu.kube import review
 from kxpu.kube.review import ReviewAuthorizer
-from kxpu.status import status_token
+from kxpu.status import DaemonRefused, daemon_status, status_token
 from kxpu.testing.process import DaemonProcess
 from tests.kube_review_fake import FakeReviewApi, User
 from tests.test_daemon import simulated
@@ -178,7 +178,7 @@ async def test_kxpu_status_sends_a_token_to_a_daemon_that_checks_it(
     workdir: Path,
 ) -> None:
     """The whole path: `kxpu plugin --http-auth kubernetes` with a kubeconfig (its account reviews tokens),
-    and `kxpu status` with --token-file, with its kubeconfig's token, and with none."""
+    and `kxpu status` with --token-file, with --kubeconfig's token, and with none."""
     daemon_kubeconfig = workdir / "daemon.kubeconfig"
     daemon_kubeconfig.write_text(yaml.safe_dump(api.kubeconfig(REVIEWER)))
     daemon: DaemonProcess = await daemons(
@@ -202,9 +202,14 @@ async def test_kxpu_status_sends_a_token_to_a_daemon_that_checks_it(
         "example.com/npu": "waiting-for-kubelet"
     }
     result = await asyncio.to_thread(
-        _kxpu_status, "--daemon", url, env={"KUBECONFIG": str(reader_kubeconfig)}
+        _kxpu_status, "--daemon", url, "--kubeconfig", str(reader_kubeconfig), env=empty_home
     )
     assert daemon_errors(result) == []
+    # A kubeconfig found in the environment is not lent unasked: no token, so 401
+    result = await asyncio.to_thread(
+        _kxpu_status, "--daemon", url, env={"HOME": str(workdir), "KUBECONFIG": str(reader_kubeconfig)}
+    )
+    assert [e.startswith(f"kxpu daemon at {url}: 401 Unauthorized") for e in daemon_errors(result)] == [True]
     result = await asyncio.to_thread(_kxpu_status, "--daemon", url, env=empty_home)
     assert daemon_errors(result) == [
         f"kxpu daemon at {url}: 401 Unauthorized: a bearer token is needed (Authorization: Bearer <token>); "
@@ -237,6 +242,45 @@ def test_a_token_goes_unasked_only_to_a_daemon_on_this_host(tmp_path: Path) -> N
     token = tmp_path / "token"
     token.write_text("chosen\n")
     assert status_token("http://10.1.2.3:5978", token, kubeconfig) == "chosen"
+
+
+def test_a_kubeconfig_found_unasked_lends_no_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator's token in $KUBECONFIG is not sent to whatever answers on the daemon's port."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(FakeReviewApi(url="https://x").kubeconfig("admin-secret")))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setattr("kxpu.status.SERVICE_ACCOUNT_TOKEN", tmp_path / "no-token")
+    assert status_token("http://127.0.0.1:5978", None, None) is None
+
+
+def test_the_token_does_not_follow_a_redirect(tmp_path: Path) -> None:
+    """A daemon (or whatever holds its port) answering 302 to another host gets no second request."""
+    import http.server
+    import threading
+
+    seen: list[str | None] = []
+    port: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{port[0]}/elsewhere")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    port.append(server.server_port)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(DaemonRefused):
+            daemon_status(f"http://127.0.0.1:{port[0]}", token="secret")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == ["Bearer secret"]  # asked once; the redirect was not followed
 
 
 async def test_a_daemon_without_api_access_says_so_once_and_answers_503(

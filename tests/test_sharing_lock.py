@@ -67,6 +67,18 @@ def test_a_lock_is_free_only_when_its_pod_can_no_longer_be_admitted_under_it(
     assert holder_state(LOCK, pod, RES, NODE, now, hard_expiry_s=600) == why
 
 
+def test_a_forged_lock_never_gets_an_unbound_pod_failed() -> None:
+    """Root on a node may rewrite its own lock Lease to name any pending pod with made-up times: that pod is
+    never HARD_EXPIRED (the extender would mark it Failed), and the lock ends at the hard expiry at the latest."""
+    forged = NodeLock("other-ns", "p", "uid-1", "x", 0.0, 9e18)
+    unbound = holder(spec__nodeName=None)
+    assert (
+        holder_state(forged, unbound, RES, NODE, 601.0, hard_expiry_s=600)
+        == "it expired before its pod was bound"
+    )
+    assert holder_state(forged, unbound, RES, NODE, 500.0, hard_expiry_s=600) is None
+
+
 def test_the_cache_keeps_every_held_lock_per_node_and_family() -> None:
     state = ClusterState([RES, "example.com/fpga"])
     state.set_node(NODE, {lock_key(RES): "a", lock_key("example.com/fpga"): "b", "other": "x"})

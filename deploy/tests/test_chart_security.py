@@ -129,6 +129,11 @@ def test_every_daemon_write_goes_through_the_node_policy(rendered: dict[str, Ren
     # Pods and Nodes: spec never changes; Leases: only those of the caller's node
     assert checks.count("object.spec == oldObject.spec") == 2
     assert "'kxpu-lock.' + variables.node + '.'" in checks
+    # A lock Lease may only be released (a holder a node wrote could name any pending pod), and slices live in the
+    # pool named after the caller's node (another node's pool would make its devices look allocated)
+    assert "!has(object.spec.holderIdentity)" in checks
+    assert "object.spec.pool.name == variables.node" in checks
+    assert "oldObject.spec.pool.name == variables.node" in checks
 
 
 def test_the_policy_allows_only_the_releases_drivers(rendered: dict[str, Rendered]) -> None:

@@ -4,7 +4,7 @@ Served on the daemon's own event loop: asyncio streams, with h11 (the sans-IO HT
 brings) parsing requests and framing responses, and prometheus-client's exposition for /metrics. No HTTP
 framework in the node daemon: aiohttp costs ~400 ms of start-up and ~9 MiB on every node (README,
 Dependencies). Anyone on the pod network can reach this port, so every connection is bounded: at most
-``Limits.connections`` at once (past that: 503 and close), a request must arrive whole within
+``Limits.connections`` at once and ``per_address`` from one client (past that: 503 and close), a request must arrive whole within
 ``request_seconds``, a keep-alive connection idle for ``idle_seconds`` is closed, a response the client does
 not read within ``write_seconds`` ends the connection, and heads and bodies have size limits. /status (and
 /metrics, when asked) go through an ``Authorizer`` (Kubernetes' TokenReview and SubjectAccessReview,
@@ -42,6 +42,8 @@ Authorizer = Callable[[str | None, str, str], Awaitable[tuple[int, str]]]
 @dataclass(frozen=True)
 class Limits:
     connections: int = 64  # Prometheus, two probes and `kxpu status` need a handful
+    # From one client address: one pod cannot take every connection (and so the kubelet's probes) by itself
+    per_address: int = 16
     request_seconds: float = 10.0  # from the first byte of a request (or the connection) to its whole body
     idle_seconds: float = 30.0  # between requests on a keep-alive connection
     write_seconds: float = 10.0  # for the client to take a response
@@ -98,6 +100,7 @@ class HealthServer:
         self.refused = 0  # connections turned away at the limit
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[Any]] = set()
+        self._per_address: dict[str, int] = {}  # client address → its connections being served
         self._lingering = 0  # connections being closed after a last answer (_linger)
 
     @property
@@ -131,21 +134,28 @@ class HealthServer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
+    def _refuse(self, writer: asyncio.StreamWriter, reason: str, **why: Any) -> None:
+        """503 at a connection limit; logged at the first refusal and every 1000th after it."""
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            log.warning(f"HTTP {reason}; refusing connections", refused=self.refused, **why)
+        _raw(writer, 503, reason)
+
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         if len(self._connections) >= self.limits.connections:
-            self.refused += 1
-            if self.refused == 1 or self.refused % 1000 == 0:
-                log.warning(
-                    "HTTP connection limit reached; refusing connections",
-                    limit=self.limits.connections,
-                    refused=self.refused,
-                )
-            _raw(writer, 503, "too many connections")
+            self._refuse(writer, "too many connections", limit=self.limits.connections)
+            await self._linger(reader, writer)
+            return
+        if self._per_address.get(address, 0) >= self.limits.per_address:
+            self._refuse(writer, "too many connections from one address", address=address)
             await self._linger(reader, writer)
             return
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        self._per_address[address] = self._per_address.get(address, 0) + 1
         rejected: _Reject | None = None
         try:
             await self._serve(reader, writer)
@@ -157,6 +167,9 @@ class HealthServer:
             pass  # stop() ends its own connection tasks; asyncio would log a cancelled one as an error
         finally:
             self._connections.discard(task)
+            left = self._per_address.pop(address) - 1
+            if left:
+                self._per_address[address] = left
         if rejected is not None:
             _raw(writer, rejected.status, rejected.reason)
             await self._linger(reader, writer)

@@ -159,8 +159,12 @@ def holder_state(
     bound = (holder.get("spec") or {}).get("nodeName")
     if bound and bound != node:
         return f"its pod is bound to {bound}"
-    if not bound and now > lock.expires:
-        return "it expired before its pod was bound"
+    if not bound:
+        # A lock's times are only as honest as whoever wrote it (a node may rewrite its own lock Lease): a pod
+        # never bound here is never failed for it, and no lock outlives the hard expiry.
+        if now > min(lock.expires, lock.acquired + hard_expiry_s):
+            return "it expired before its pod was bound"
+        return None
     if now > lock.acquired + hard_expiry_s:
         return HARD_EXPIRED
     return None
