@@ -192,6 +192,8 @@ def scheduled_pod(name: str, node: str | None) -> dict[str, Any]:
     admitted, as a pod whose kubelet is down), or held unbound by a scheduling gate."""
     pod = idle_pod(name, node or NODE_NAME)
     pod["spec"]["schedulerName"] = SCHEDULER_NAME
+    # The API-only Node turns unreachable (NoExecute): stay, as a pod on a node that is down does for a while.
+    pod["spec"]["tolerations"] = [{"operator": "Exists", "effect": "NoExecute"}]
     if node is None:
         del pod["spec"]["nodeName"]
         pod["spec"]["schedulingGates"] = [{"name": "kxpu.io/e2e-hold"}]
