@@ -236,6 +236,7 @@ def secured(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
         )  # fmt: skip
         cleanup.callback(k, "label", "node", NODE_NAME, "kxpu.io/sharing-", check=False)
         cleanup.callback(k, "uncordon", NODE_NAME, check=False)  # were the cordon ever allowed
+        cleanup.callback(k, "taint", "node", NODE_NAME, "kxpu.io/e2e-evil-", check=False)  # or the taint
         routes = ServiceRoutes()
         cleanup.callback(routes.close)
         routes.api_server_for_pods()
@@ -564,7 +565,7 @@ def test_a_scheduler_token_is_refused_what_neither_scheduler_does(secured: Clust
         "taint a Node": sched.send(
             "PATCH",
             f"/api/v1/nodes/{NODE_NAME}",
-            {"spec": {"taints": [{"key": "evil", "effect": "NoExecute"}]}},
+            {"spec": {"taints": [{"key": "kxpu.io/e2e-evil", "effect": "NoSchedule"}]}},
             MERGE,
         ),
         "a kxpu annotation other than the lock on a Node": sched.send(
@@ -604,7 +605,7 @@ def test_a_scheduler_token_is_refused_what_neither_scheduler_does(secured: Clust
     assert pod["spec"]["containers"][0]["image"] == daemon["spec"]["containers"][0]["image"]
     node = cluster.kubectl_json("get", "node", NODE_NAME)
     assert not node["spec"].get("unschedulable") and not any(
-        t["key"] == "evil" for t in node["spec"].get("taints", [])
+        t["key"] == "kxpu.io/e2e-evil" for t in node["spec"].get("taints", [])
     )
     assert (
         cluster.kubectl_json("get", "pod", "sec-sched-bound", "-n", NAMESPACE)["status"]["phase"] == "Pending"
