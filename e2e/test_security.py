@@ -44,6 +44,10 @@ OTHER_DRIVER = "other.example.com"
 OTHER_NODE = "kxpu-e2e-sec-other"  # an API-only Node: no kubelet behind it
 SERVICE_ACCOUNT = f"{RELEASE}-plugin"
 POLICY = f"{RELEASE}-plugin-node-scope"
+SCHEDULER_ACCOUNT = f"{RELEASE}-scheduler"  # kube-scheduler's and the extender's, one pod
+SCHEDULER_POLICY = f"{RELEASE}-scheduler-scope"
+SCHEDULER_NAME = "kxpu-scheduler"  # the chart's default sharing.schedulerName: the pods the release schedules
+TEST_LOCK = "kxpu.io/lock.sec-test"  # a node lock annotation of no real resource
 LEADER_LEASE = f"{RELEASE}-scheduler"
 TLS_SECRET = "kxpu-e2e-sec-webhook-tls"
 WEBHOOK = f"{RELEASE}-webhook"
@@ -184,6 +188,19 @@ def idle_pod(name: str, node: str) -> dict[str, Any]:
     }
 
 
+def scheduled_pod(name: str, node: str | None) -> dict[str, Any]:
+    """A pod of the release's scheduler: bound at creation to ``node`` (the API-only Node: it stays Pending, never
+    admitted, as a pod whose kubelet is down), or held unbound by a scheduling gate."""
+    pod = idle_pod(name, node or NODE_NAME)
+    pod["spec"]["schedulerName"] = SCHEDULER_NAME
+    # The API-only Node turns unreachable (NoExecute): stay, as a pod on a node that is down does for a while.
+    pod["spec"]["tolerations"] = [{"operator": "Exists", "effect": "NoExecute"}]
+    if node is None:
+        del pod["spec"]["nodeName"]
+        pod["spec"]["schedulingGates"] = [{"name": "kxpu.io/e2e-hold"}]
+    return pod
+
+
 def token_claims(token: str) -> dict[str, Any]:
     payload = token.split(".")[1]
     claims: dict[str, Any] = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
@@ -216,10 +233,11 @@ def secured(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     with contextlib.ExitStack() as cleanup:  # unwound last to first
         cleanup.callback(
             k, "annotate", "node", NODE_NAME, f"{annotation_key(RES)}-", f"{lock_key(RES)}-",
-            "kxpu.io/devices.sec-test-", check=False,
+            "kxpu.io/devices.sec-test-", f"{TEST_LOCK}-", check=False,
         )  # fmt: skip
         cleanup.callback(k, "label", "node", NODE_NAME, "kxpu.io/sharing-", check=False)
         cleanup.callback(k, "uncordon", NODE_NAME, check=False)  # were the cordon ever allowed
+        cleanup.callback(k, "taint", "node", NODE_NAME, "kxpu.io/e2e-evil-", check=False)  # or the taint
         routes = ServiceRoutes()
         cleanup.callback(routes.close)
         routes.api_server_for_pods()
@@ -237,15 +255,21 @@ def secured(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
             cleanup.callback(k, "delete", "resourceslice", name, "--ignore-not-found", check=False)
         cleanup.callback(k, "delete", "node", OTHER_NODE, "--ignore-not-found", check=False)
         # No kubelet will ever confirm the deletion of a pod on the API-only Node: force it.
-        cleanup.callback(k, "delete", "pod", "sec-other-node", "-n", NAMESPACE, "--ignore-not-found",
-                         "--grace-period=0", "--force", check=False)  # fmt: skip
+        for pod_name in ("sec-other-node", "sec-sched-bound"):
+            cleanup.callback(k, "delete", "pod", pod_name, "-n", NAMESPACE, "--ignore-not-found",
+                             "--grace-period=0", "--force", check=False)  # fmt: skip
         k(
             "create",
             "-f",
             "-",
             input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": OTHER_NODE}}),
         )
-        for pod in (idle_pod("sec-own-node", NODE_NAME), idle_pod("sec-other-node", OTHER_NODE)):
+        for pod in (
+            idle_pod("sec-own-node", NODE_NAME),
+            idle_pod("sec-other-node", OTHER_NODE),
+            scheduled_pod("sec-sched-bound", OTHER_NODE),
+            scheduled_pod("sec-sched-gated", None),
+        ):
             k("create", "-f", "-", input=json.dumps(pod))
         for node in (NODE_NAME, OTHER_NODE):
             k("apply", "-f", "-", input=json.dumps(lock_lease(node)))
@@ -501,3 +525,198 @@ def test_a_node_token_does_what_the_daemon_does(secured: Cluster) -> None:
         lambda: not cluster.kubectl("get", "resourceslice", "sec-node-own", "--ignore-not-found").strip(),
         30,
     )
+
+
+def scheduler_token(cluster: Cluster) -> str:
+    """A token of the scheduler pod's account, bound to that pod: what its containers hold."""
+    pod = component_pod(cluster, "scheduler")
+    return cluster.kubectl(
+        "create", "token", SCHEDULER_ACCOUNT, "-n", NAMESPACE, "--duration=600s",
+        "--bound-object-kind=Pod", f"--bound-object-name={pod['metadata']['name']}",
+    ).strip()  # fmt: skip
+
+
+def test_a_scheduler_token_is_refused_what_neither_scheduler_does(secured: Cluster) -> None:
+    """A compromised extender (or kube-scheduler beside it) holds the scheduler pod's token, whose RBAC allows
+    patching any pod, pod status and Node: the API server refuses every such write but the two's own."""
+    cluster = secured
+    daemon = component_pod(cluster, "plugin")
+    sched = Api(cluster, scheduler_token(cluster))
+    by_policy = f"ValidatingAdmissionPolicy '{SCHEDULER_POLICY}'"
+    failed = {"status": {"phase": "Failed", "reason": "KxpuAllocationExpired", "message": "e2e"}}
+
+    refused = {
+        # Restarted with an attacker's image, the daemon's container would have its node's devices and token.
+        "image of the node daemon's pod": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, daemon["metadata"]["name"]),
+            {"spec": {"containers": [{"name": daemon["spec"]["containers"][0]["name"], "image": "evil:1"}]}},
+            STRATEGIC,
+        ),
+        "image of a pod it schedules": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-sched-bound"),
+            {"spec": {"containers": [{"name": "main", "image": "evil:1"}]}},
+            STRATEGIC,
+        ),
+        "a foreign label on a pod it schedules": sched.send(
+            "PATCH", pod_path(NAMESPACE, "sec-sched-bound"), {"metadata": {"labels": {"x": "y"}}}, MERGE
+        ),
+        "kxpu's label on another scheduler's pod": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-own-node"),
+            {"metadata": {"labels": {"kxpu.io/assigned": "true"}}},
+            MERGE,
+        ),
+        "cordon a Node": sched.send(
+            "PATCH", f"/api/v1/nodes/{NODE_NAME}", {"spec": {"unschedulable": True}}, MERGE
+        ),
+        "taint a Node": sched.send(
+            "PATCH",
+            f"/api/v1/nodes/{NODE_NAME}",
+            {"spec": {"taints": [{"key": "kxpu.io/e2e-evil", "effect": "NoSchedule"}]}},
+            MERGE,
+        ),
+        "a kxpu annotation other than the lock on a Node": sched.send(
+            "PATCH",
+            f"/api/v1/nodes/{NODE_NAME}",
+            {"metadata": {"annotations": {"kxpu.io/devices.sec-test": "forged"}}},
+            MERGE,
+        ),
+        "Failed with another reason": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-sched-bound") + "/status",
+            {"status": {"phase": "Failed", "reason": "Evicted"}},
+            MERGE,
+        ),
+        "Failed, an unbound pod": sched.send(
+            "PATCH", pod_path(NAMESPACE, "sec-sched-gated") + "/status", failed, MERGE
+        ),
+        "Failed, another scheduler's running pod": sched.send(
+            "PATCH", pod_path(NAMESPACE, "sec-own-node") + "/status", failed, MERGE
+        ),
+        "Ready=False on another scheduler's pod": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-own-node") + "/status",
+            {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "Evil"}]}},
+            STRATEGIC,
+        ),
+        "a pod's IP": sched.send(
+            "PATCH", pod_path(NAMESPACE, "sec-own-node") + "/status", {"status": {"podIP": "10.9.9.9"}}, MERGE
+        ),
+    }
+    for what, (status, message) in refused.items():
+        assert status == 403, f"{what}: allowed ({status})"
+        assert by_policy in message, f"{what}: refused, but not by the policy: {message}"
+
+    # The objects are as they were.
+    pod = cluster.kubectl_json("get", "pod", daemon["metadata"]["name"], "-n", NAMESPACE)
+    assert pod["spec"]["containers"][0]["image"] == daemon["spec"]["containers"][0]["image"]
+    node = cluster.kubectl_json("get", "node", NODE_NAME)
+    assert not node["spec"].get("unschedulable") and not any(
+        t["key"] == "kxpu.io/e2e-evil" for t in node["spec"].get("taints", [])
+    )
+    assert (
+        cluster.kubectl_json("get", "pod", "sec-sched-bound", "-n", NAMESPACE)["status"]["phase"] == "Pending"
+    )
+    assert (
+        cluster.kubectl_json("get", "pod", "sec-sched-gated", "-n", NAMESPACE)["status"]["phase"] == "Pending"
+    )
+    own = cluster.kubectl_json("get", "pod", "sec-own-node", "-n", NAMESPACE)
+    assert own["status"]["phase"] != "Failed" and own["status"].get("podIP") != "10.9.9.9"
+
+
+def test_a_scheduler_token_does_what_the_two_schedulers_do(secured: Cluster) -> None:
+    """The same token is allowed the extender's writes (watch label and kxpu annotations on its pods, the annotation
+    node lock, Failed for a pod bound but never admitted) and kube-scheduler's (PodScheduled, DisruptionTarget)."""
+    cluster = secured
+    sched = Api(cluster, scheduler_token(cluster))
+    uid = cluster.kubectl_json("get", "pod", "sec-sched-bound", "-n", NAMESPACE)["metadata"]["uid"]
+    lock_path = "/metadata/annotations/" + TEST_LOCK.replace("/", "~1")
+    allowed = {
+        # KubeSchedulerAPI.label_pod, byte for byte
+        "the watch label": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-sched-bound"),
+            {"metadata": {"uid": uid, "labels": {"kxpu.io/assigned": "true"}}},
+            MERGE,
+        ),
+        "a kxpu annotation": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-sched-bound"),
+            {"metadata": {"annotations": {"kxpu.io/bind-phase": "allocating"}}},
+            MERGE,
+        ),
+        "take the node lock": sched.send(
+            "PATCH",
+            f"/api/v1/nodes/{NODE_NAME}",
+            {"metadata": {"annotations": {TEST_LOCK: "held-by-the-test"}}},
+            MERGE,
+        ),
+        "release the node lock": sched.send(
+            "PATCH",
+            f"/api/v1/nodes/{NODE_NAME}",
+            [
+                {"op": "test", "path": lock_path, "value": "held-by-the-test"},
+                {"op": "remove", "path": lock_path},
+            ],
+            "application/json-patch+json",
+        ),
+        # kube-scheduler's updatePod (schedule_one.go): a strategic merge patch of status
+        "PodScheduled=False": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-sched-gated") + "/status",
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "PodScheduled",
+                            "status": "False",
+                            "reason": "Unschedulable",
+                            "message": "e2e",
+                        }
+                    ]
+                }
+            },
+            STRATEGIC,
+        ),
+        # its preemption (preemption/executor.go), on a victim of any scheduler
+        "DisruptionTarget on a victim": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-own-node") + "/status",
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "DisruptionTarget",
+                            "status": "True",
+                            "reason": "PreemptionByScheduler",
+                            "message": "kxpu-scheduler: preempting to accommodate a higher priority pod",
+                        }
+                    ]
+                }
+            },
+            STRATEGIC,
+        ),
+        # KubeSchedulerAPI._fail_unadmitted: a pod bound to a node whose kubelet never admitted it
+        "Failed, bound and never admitted": sched.send(
+            "PATCH",
+            pod_path(NAMESPACE, "sec-sched-bound") + "/status",
+            {
+                "metadata": {"uid": uid},
+                "status": {"phase": "Failed", "reason": "KxpuAllocationExpired", "message": "e2e"},
+            },
+            MERGE,
+        ),
+    }
+    for what, (status, message) in allowed.items():
+        assert status == 200, f"{what}: refused ({status}): {message}"
+    bound = cluster.kubectl_json("get", "pod", "sec-sched-bound", "-n", NAMESPACE)
+    assert bound["metadata"]["labels"]["kxpu.io/assigned"] == "true"
+    assert bound["metadata"]["annotations"]["kxpu.io/bind-phase"] == "allocating"
+    assert (bound["status"]["phase"], bound["status"]["reason"]) == ("Failed", "KxpuAllocationExpired")
+    assert TEST_LOCK not in cluster.kubectl_json("get", "node", NODE_NAME)["metadata"].get("annotations", {})
+    gated = cluster.kubectl_json("get", "pod", "sec-sched-gated", "-n", NAMESPACE)
+    assert {"type": "PodScheduled", "reason": "Unschedulable"} in [
+        {"type": c["type"], "reason": c.get("reason")} for c in gated["status"]["conditions"]
+    ]

@@ -6,12 +6,15 @@ e2e/test_security.py shows the same policy refusing and allowing on a real API s
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from deploy.tests.conftest import OVERRIDES, Rendered, template, template_error
+from kxpu.sharing.kube.api import KubeSchedulerAPI
+from kxpu.sharing.lock import ASSIGNED_POD_LABEL, LOCK_PREFIX
 
 VALUES = Path(__file__).parent
 SHARING = ["--values", str(VALUES / "values-sharing.yaml")]
@@ -27,6 +30,19 @@ WRITES = {"create", "update", "patch", "delete", "deletecollection", "bind", "es
 PLUGIN_SA = "kxpu-plugin"
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 POLICY = "kxpu-plugin-node-scope"
+SCHEDULER_SA = "kxpu-scheduler"
+SCHEDULER_POLICY = "kxpu-scheduler-scope"
+# The built-in ClusterRoles the chart binds to the scheduler's account (not rendered: Kubernetes makes them), with
+# their pod and Node writes as Kubernetes 1.34-1.37 define them (plugin/pkg/auth/authorizer/rbac/bootstrappolicy).
+BUILT_IN_SCHEDULER_ROLES = {"system:kube-scheduler", "system:volume-scheduler"}
+BUILT_IN_POD_AND_NODE_WRITES = {
+    ("", "pods", "delete"),
+    ("", "pods/binding", "create"),
+    ("", "bindings", "create"),
+    ("", "pods/status", "patch"),
+    ("", "pods/status", "update"),
+    ("", "pods/finalizers", "update"),  # an authorization check for owner references, no endpoint
+}
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +153,10 @@ def test_every_daemon_write_goes_through_the_node_policy(rendered: dict[str, Ren
 
 
 def test_the_policy_allows_only_the_releases_drivers(rendered: dict[str, Rendered]) -> None:
-    assert variables(rendered["dra"].one("ValidatingAdmissionPolicy"))["drivers"] == (
+    assert variables(rendered["dra"].one("ValidatingAdmissionPolicy", POLICY))["drivers"] == (
         '["npu.example.com","gpu.nvidia.com"]'
     )
-    assert variables(rendered["sharing"].one("ValidatingAdmissionPolicy"))["drivers"] == "[]"
+    assert variables(rendered["sharing"].one("ValidatingAdmissionPolicy", POLICY))["drivers"] == "[]"
 
 
 @pytest.mark.parametrize("name", ["sharing", "sharing+dra"])
@@ -159,6 +175,93 @@ def test_node_roles_read_keys_by_name_and_write_nothing_cluster_wide_but_scoped_
         for rule in role["rules"]:
             if {"secrets", "configmaps"} & set(rule.get("resources", [])):
                 assert rule.get("resourceNames") and rule["verbs"] == ["get"], rule
+
+
+def granted_updates(rendered: Rendered, account: str) -> set[tuple[str, str]]:
+    """(apiGroup, resource) of pods and Nodes the account may update or patch: its rendered roles and the built-in
+    ones the chart binds it to."""
+    rendered_rules = {
+        (group, resource, verb)
+        for role in roles_of(rendered, account)
+        for rule in role["rules"]
+        for group in rule.get("apiGroups", [])
+        for resource in rule.get("resources", [])
+        for verb in rule["verbs"]
+    }
+    return {
+        (group, resource)
+        for group, resource, verb in rendered_rules | BUILT_IN_POD_AND_NODE_WRITES
+        if verb in {"update", "patch"}
+        and resource.split("/")[0] in {"pods", "nodes"}
+        and resource != "pods/finalizers"
+    }
+
+
+def matches(matched: set[tuple[str, str, str]], group: str, resource: str, op: str) -> bool:
+    parent = resource.split("/")[0]
+    return any((group, r, op) in matched for r in (resource, f"{parent}/*" if "/" in resource else resource))
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_every_scheduler_pod_and_node_update_goes_through_the_scheduler_policy(
+    rendered: dict[str, Rendered], name: str
+) -> None:
+    """The scheduler pod's account (kube-scheduler and the extender) may patch pods, pods/status and Nodes
+    cluster-wide by RBAC; the policy bound to it sees every such update, with every subresource."""
+    r = rendered[name]
+    if not r.kinds("Deployment") or not any(
+        d["metadata"]["name"] == SCHEDULER_SA for d in r.kinds("Deployment")
+    ):  # no sharing: no scheduler, no policy
+        assert SCHEDULER_POLICY not in {p["metadata"]["name"] for p in r.kinds("ValidatingAdmissionPolicy")}
+        return
+    policy = r.one("ValidatingAdmissionPolicy", SCHEDULER_POLICY)
+    binding = r.one("ValidatingAdmissionPolicyBinding", SCHEDULER_POLICY)
+    assert binding["spec"] == {"policyName": SCHEDULER_POLICY, "validationActions": ["Deny"]}
+    assert policy["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    (condition,) = policy["spec"]["matchConditions"]
+    assert (
+        condition["expression"]
+        == f'request.userInfo.username == "system:serviceaccount:kxpu-system:{SCHEDULER_SA}"'
+    )
+    # The account is the scheduler pod's, and holds the built-in roles whose writes are listed above.
+    deployment = r.one("Deployment", SCHEDULER_SA)
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == SCHEDULER_SA
+    subject = {"kind": "ServiceAccount", "name": SCHEDULER_SA, "namespace": "kxpu-system"}
+    built_in = {
+        b["roleRef"]["name"]
+        for b in r.kinds("ClusterRoleBinding")
+        if subject in b["subjects"] and b["roleRef"]["name"].startswith("system:")
+    }
+    assert built_in == BUILT_IN_SCHEDULER_ROLES
+    updates = granted_updates(r, SCHEDULER_SA)
+    assert updates >= {("", "pods"), ("", "nodes"), ("", "pods/status")}, updates
+    matched = policy_matches(policy)
+    for group, resource in updates:
+        assert matches(matched, group, resource, "UPDATE"), (group, resource)
+    # Subresources the account is not granted are matched too (and refused), so a new grant cannot slip past.
+    for resource in ("pods/ephemeralcontainers", "pods/resize", "nodes/status"):
+        assert matches(matched, "", resource, "UPDATE"), resource
+    # Only updates: binding (create) and preemption (delete) are left to RBAC, as docs/security.md says.
+    assert {op for _, _, op in matched} == {"UPDATE"}
+
+    checks = " ".join(v["expression"] for v in policy["spec"]["validations"])
+    for kind in ("'/pods'", "'/nodes'"):
+        assert f"variables.kind != {kind} ||" in checks, kind
+    assert checks.count("object.spec == oldObject.spec") == 2  # pods and Nodes: no image change, no cordon
+    # Exactly the extender's writes: the watch label on its pods, the annotation node lock, Failed with its reason.
+    assert f"k == '{ASSIGNED_POD_LABEL}'" in checks
+    assert f"k.startsWith('{LOCK_PREFIX}')" in checks
+    v = variables(policy)
+    assert "'KxpuAllocationExpired'" in v["failsUnadmitted"]
+    assert '"KxpuAllocationExpired"' in inspect.getsource(KubeSchedulerAPI._fail_unadmitted)
+    assert "oldObject.spec.?nodeName.orValue('') != ''" in v["failsUnadmitted"]
+    assert v["ours"].endswith('== "kxpu-scheduler"')  # sharing.schedulerName, the profile kube-scheduler runs
+
+
+def test_the_scheduler_policy_follows_the_scheduler_name(helm: Path) -> None:
+    r = template(helm, *SHARING, "--set", "sharing.schedulerName=gpu-sched")
+    assert variables(r.one("ValidatingAdmissionPolicy", SCHEDULER_POLICY))["ours"].endswith('== "gpu-sched"')
 
 
 def test_extender_writes_only_its_own_configmap(rendered: dict[str, Rendered]) -> None:
@@ -243,7 +346,7 @@ def test_existing_service_account_gets_the_roles_and_the_policy(helm: Path) -> N
         sa["metadata"]["name"] != "npu-node" for sa in r.kinds("ServiceAccount")
     )
     assert written(r, "npu-node") and not written(r, "default")
-    (condition,) = r.one("ValidatingAdmissionPolicy")["spec"]["matchConditions"]
+    (condition,) = r.one("ValidatingAdmissionPolicy", POLICY)["spec"]["matchConditions"]
     assert condition["expression"].endswith(':kxpu-system:npu-node"')
 
 
