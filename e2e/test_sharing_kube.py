@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from lightkube import AsyncClient, KubeConfig
-from lightkube.models.core_v1 import Container, NodeSpec, PodSpec, ResourceRequirements, Taint
+from lightkube.models.core_v1 import Container, NodeSpec, PodSpec, ResourceRequirements, Taint, Toleration
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import ConfigMap, Event, Namespace, Node, Pod, Secret
@@ -87,6 +87,8 @@ class Env:
                         )
                     ],
                     schedulerName="kxpu-test-nobody",  # no scheduler picks these up: they stay ours
+                    # the test node's taint keeps everything else off it; bind checks that the pod tolerates it
+                    tolerations=[Toleration(key="kxpu.io/test", operator="Exists", effect="NoSchedule")],
                 ),
             )
         )

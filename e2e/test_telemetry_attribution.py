@@ -39,9 +39,20 @@ def series(text: str, name: str, **labels: str) -> list[dict[str, str]]:
     return found
 
 
-def node_status() -> dict[str, Any]:
+def node_status(kubeconfig: Path) -> dict[str, Any]:
+    """`kxpu status` as an operator on the node runs it: its token from the kubeconfig it names (never one
+    picked up unasked), which the daemon reviews with the API server."""
     done = subprocess.run(
-        [str(kxpu_binary()), "status", "-o", "json", "--daemon", f"http://{ADDRESS}"],
+        [
+            str(kxpu_binary()),
+            "status",
+            "-o",
+            "json",
+            "--daemon",
+            f"http://{ADDRESS}",
+            "--kubeconfig",
+            str(kubeconfig),
+        ],
         capture_output=True,
         text=True,
         timeout=30,
@@ -128,7 +139,7 @@ def test_dra_and_device_plugin_pods_carry_pod_container_and_claim(e2e: E2E, tmp_
     assert float(granted[0]["value"]) == 6144 * MIB
 
     # kxpu status agrees: the same containers and claims on the same devices.
-    doc = node_status()
+    doc = node_status(e2e.cluster.kubeconfig)
     held = {(d["resource"], d["id"]): d["holders"] for d in doc["devices"]}
     assert held[(FPGA, fpga_device)] == [f"default/{plugin_pod.name}/main"], doc
     npu_holders = [h for (r, _), hs in held.items() if r != FPGA for h in hs]
