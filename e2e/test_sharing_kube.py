@@ -87,8 +87,9 @@ class Env:
                         )
                     ],
                     schedulerName="kxpu-test-nobody",  # no scheduler picks these up: they stay ours
-                    # the test node's taint keeps everything else off it; bind checks that the pod tolerates it
-                    tolerations=[Toleration(key="kxpu.io/test", operator="Exists", effect="NoSchedule")],
+                    # the test node's taints (ours, and not-ready: it has no kubelet) keep everything else off
+                    # it; bind checks that the pod tolerates them
+                    tolerations=[Toleration(operator="Exists")],
                 ),
             )
         )
