@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kxpu.sharing.config import ControlPlaneConfig, SharingConfigError, load_control_plane_config
@@ -162,6 +162,7 @@ _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 
 
 @settings(max_examples=300, deadline=None)
+@example(node="0", resource="0-/.0")  # "-/." became ".." once
 @given(
     st.from_regex(r"[a-z0-9]([-a-z0-9.]{0,250}[a-z0-9])?", fullmatch=True),
     st.from_regex(r"[A-Za-z0-9.-]{1,60}/[A-Za-z0-9_.-]{1,60}", fullmatch=True),

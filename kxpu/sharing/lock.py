@@ -70,7 +70,7 @@ def lease_name(node: str, resource: str) -> str:
     """The lock Lease of ``node`` and ``resource``: a DNS subdomain name, readable, and unique by a hash."""
     readable = _NOT_NAME.sub("-", f"kxpu-lock.{node}.{resource}".lower().replace("/", "."))
     digest = hashlib.sha256(f"{node}\0{resource}".encode()).hexdigest()[:8]
-    readable = re.sub(r"\.[.-]+|-+\.", ".", readable)[:240].strip(".-")
+    readable = re.sub(r"[.-]*\.[.-]*", ".", readable)[:240].strip(".-")  # every run of . and - holding a dot
     return f"{readable}.{digest}"
 
 
