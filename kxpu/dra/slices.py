@@ -7,7 +7,8 @@ with typed attributes the scheduler's CEL selectors read, and capacities:
 |---|---|
 | ``id`` (string) | the kxpu device ID, as the device plugin would name it |
 | ``model``, ``uuid`` (string), ``index`` (int) | the backend's ``Device`` |
-| ``resource.kubernetes.io/numaNode`` (int), ``resource.kubernetes.io/pciBusID`` (string) | standard names |
+| ``resource.kubernetes.io/numaNode`` (int), ``resource.kubernetes.io/pciBusID`` (string, ``0000:07:00.0``), ``resource.kubernetes.io/pcieRoot`` (string, ``pci0000:00``) | standard names (``k8s.io/dynamic-resource-allocation/deviceattribute``) |
+| ``linkDomain`` (string) | devices joined by NVLink / xGMI / HCCS share it (``matchAttribute``) |
 | each ``Device.extra`` key, camelCased (int, bool, string; a ``…Version`` that is semver → version) | vendor facts |
 | capacity ``memory`` (bytes, written in Mi), ``cores`` | ``memory_mib``, ``cores`` |
 
@@ -26,7 +27,7 @@ from typing import Any, Literal
 
 from kxpu.dra.names import device_name
 from kxpu.logs import get_logger
-from kxpu.model import CounterSet, Device
+from kxpu.model import MAX_NUMA_NODE, CounterSet, Device, pci_address
 
 log = get_logger("kxpu.dra.slices")
 
@@ -40,6 +41,11 @@ UNHEALTHY_TAINT_KEY = "kxpu.io/unhealthy"
 # Still held by a pod that got it through the device plugin (a node moving from the device plugin to DRA).
 HELD_TAINT_KEY = "kxpu.io/held-by-device-plugin"
 INT64_MAX = 2**63 - 1
+# Kubernetes' standard attributes (k8s.io/dynamic-resource-allocation/deviceattribute).
+NUMA_NODE = "resource.kubernetes.io/numaNode"
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+_PCIE_ROOT = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 
 Unhealthy = Literal["taint", "withdraw"]
 
@@ -129,10 +135,15 @@ def device_attributes(device: Device) -> dict[str, dict[str, Any]]:
         attrs["uuid"] = {"string": device.uuid[:MAX_STRING_VALUE]}
     if device.index is not None:
         attrs["index"] = {"int": device.index}
-    if device.numa_nodes:
-        attrs["resource.kubernetes.io/numaNode"] = {"int": device.numa_nodes[0]}
-    if device.pci_bus_id:
-        attrs["resource.kubernetes.io/pciBusID"] = {"string": device.pci_bus_id}
+    if device.numa_nodes and 0 <= device.numa_nodes[0] <= MAX_NUMA_NODE:
+        attrs[NUMA_NODE] = {"int": device.numa_nodes[0]}
+    bus_id = pci_address(device.pci_bus_id)  # NVML's 8-digit domain is not the standard form
+    if bus_id:
+        attrs[PCI_BUS_ID] = {"string": bus_id}
+    if device.pcie_root and _PCIE_ROOT.match(device.pcie_root):
+        attrs[PCIE_ROOT] = {"string": device.pcie_root}
+    if device.link_domain and len(device.link_domain) <= MAX_STRING_VALUE:
+        attrs["linkDomain"] = {"string": device.link_domain}
     for key in sorted(device.extra):
         name = camel(key)
         if name in attrs or not _C_IDENTIFIER.match(name) or len(name) > MAX_IDENTIFIER:

@@ -30,6 +30,7 @@ from kxpu.model.device import (
     InvalidDeviceError,
     check_device_id,
     index_by_id,
+    pci_address,
 )
 from kxpu.model.edits import ContainerEdits, DeviceNode, Mount
 from kxpu.model.limits import share_limit_env
@@ -78,6 +79,7 @@ __all__ = [
     "Wrapper",
     "capabilities_of",
     "check_device_id",
+    "pci_address",
     "decode_grants",
     "encode_grants",
     "find_capability",
