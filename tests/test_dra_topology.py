@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
+from kxpu.backends.amd import AmdBackend, AmdConfig
 from kxpu.backends.host import Host
-from kxpu.backends.pci import PcieRootError, PcieRoots, read_pcie_root
+from kxpu.backends.pci import PcieRootError, PlacementReader, read_pcie_root
 from kxpu.dra.slices import device_attributes
 from kxpu.model import Device, pci_address
+from kxpu.testing.fake_amd import FakeAmd
 from kxpu.testing.fake_host import FakeHost
 
 ROOT = "resource.kubernetes.io/pcieRoot"
@@ -70,14 +72,14 @@ def test_garbage_sysfs_is_named(fake: FakeHost) -> None:
 
 def test_unknown_roots_are_left_out_with_one_warning(fake: FakeHost) -> None:
     fake.write_file("/sys/bus/pci/devices/0000:01:00.0", "garbage")
-    roots = PcieRoots(Host(fake.root))
+    reader = PlacementReader(Host(fake.root))
     with capture_logs() as logs:
         for _ in range(3):  # three rediscoveries
-            assert roots.root("0000:01:00.0") is None
-    assert [e["log_level"] for e in logs if "pcieRoot left out" in e["event"]] == ["warning"]
+            assert reader.pcie_root("0000:01:00.0") is None
+    assert [e["log_level"] for e in logs if "pcieRoot unknown" in e["event"]] == ["warning"]
     fake.remove("/sys/bus/pci/devices/0000:01:00.0")
     pci_function(fake, "pci0000:00/0000:01:00.0")
-    assert roots.root("0000:01:00.0") == "pci0000:00"
+    assert reader.pcie_root("0000:01:00.0") == "pci0000:00"
 
 
 def test_standard_attributes_in_the_slice() -> None:
@@ -97,5 +99,54 @@ def test_standard_attributes_in_the_slice() -> None:
     assert not {BUS, ROOT, NUMA, "linkDomain"} & set(bare)
 
 
-def tree(fake: FakeHost) -> Path:
-    return fake.root
+# ---------------------------------------------------------------------------------------------- AMD, Hygon
+@pytest.fixture
+def amd_machines() -> Iterator[Callable[[str], FakeAmd]]:
+    made: list[FakeAmd] = []
+
+    def make(profile: str) -> FakeAmd:
+        made.append(FakeAmd(profile))
+        return made[-1]
+
+    yield make
+    for machine in made:
+        machine.cleanup()
+
+
+def attrs_by_id(devices: list[Device]) -> dict[str, dict[str, Any]]:
+    return {d.id: device_attributes(d) for d in devices}
+
+
+def test_amd_xgmi_hives_are_link_domains(amd_machines: Callable[[str], FakeAmd]) -> None:
+    fake = amd_machines("mi210-4x-xgmi")  # bridges join GPUs 0-1 and 2-3
+    attrs = attrs_by_id(AmdBackend(AmdConfig.model_validate({"hostRoot": str(fake.root)})).discover())
+    domains = [attrs[fake.bdf(g)]["linkDomain"]["string"] for g in range(4)]
+    assert domains[0] == domains[1] != domains[2] == domains[3]
+    assert domains[0] == f"xgmi-{fake.hive(0)}"
+    assert {attrs[fake.bdf(g)][ROOT]["string"] for g in range(4)} == {"pci0000:00"}
+    assert attrs[fake.bdf(2)][BUS] == {"string": fake.bdf(2)}
+
+
+def test_amd_partitions_inherit_their_gpus_place(amd_machines: Callable[[str], FakeAmd]) -> None:
+    fake = amd_machines("mi300x-8x-cpx")  # one hive of eight, eight partitions each
+    devices = AmdBackend(AmdConfig.model_validate({"hostRoot": str(fake.root)})).discover()
+    assert len(devices) == 64
+    assert {d.link_domain for d in devices} == {f"xgmi-{fake.hive(0)}"}
+    assert {d.pcie_root for d in devices} == {"pci0000:00"}
+
+
+def test_amd_garbage_hive_and_pci_link_are_left_out(amd_machines: Callable[[str], FakeAmd]) -> None:
+    fake = amd_machines("mi210-4x-xgmi")
+    fake.fake.set_attribute(f"/sys/devices/pci0000:00/{fake.bdf(0)}/xgmi_hive_info/xgmi_hive_id", "hive!")
+    fake.fake.symlink(f"/sys/bus/pci/devices/{fake.bdf(3)}", "../../../devices/platform/nowhere")
+    backend = AmdBackend(AmdConfig.model_validate({"hostRoot": str(fake.root)}))
+    with capture_logs() as logs:
+        for _ in range(3):
+            devices = {d.id: d for d in backend.discover()}
+    # GPU 1 links to GPU 0's hive directory: both lose the domain; the GPUs stay healthy and served
+    assert [devices[fake.bdf(g)].link_domain is None for g in range(4)] == [True, True, False, False]
+    assert devices[fake.bdf(3)].pcie_root is None and devices[fake.bdf(2)].pcie_root == "pci0000:00"
+    assert all(d.healthy for d in devices.values())
+    warnings = [e for e in logs if e["log_level"] == "warning" and "left out" in e["event"]]
+    assert len(warnings) == 3, warnings  # one per device and fact, not one per rediscovery
+    assert any("expected an integer, found 'hive!'" in e["error"] for e in warnings)

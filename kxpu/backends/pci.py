@@ -54,25 +54,28 @@ def read_pcie_root(host: Host, bus_id: str) -> str:
     return parts[3]
 
 
-class PcieRoots:
-    """``read_pcie_root`` for a backend that rediscovers often: a device whose sysfs says nothing usable
-    is warned about once (until its answer changes), not at every poll."""
+class PlacementReader:
+    """Placement facts for a backend that rediscovers often: a fact sysfs (or a vendor library) answers
+    with garbage is left out with one warning line per device and fact (again only if the answer
+    changes), not one at every poll."""
 
     def __init__(self, host: Host) -> None:
         self.host = host
-        self._warned: dict[str, str] = {}
+        self._warned: dict[tuple[str, str], str] = {}
 
-    def root(self, bus_id: str | None) -> str | None:
+    def pcie_root(self, bus_id: str | None) -> str | None:
         if not bus_id:
             return None
         try:
             root = read_pcie_root(self.host, bus_id)
         except PcieRootError as exc:
-            if self._warned.get(bus_id) != str(exc):
-                self._warned[bus_id] = str(exc)
-                log.warning(
-                    "PCIe root unknown; resource.kubernetes.io/pcieRoot left out", device=bus_id, error=str(exc)
-                )
+            self.omitted(bus_id, "resource.kubernetes.io/pcieRoot", str(exc))
             return None
-        self._warned.pop(bus_id, None)
+        self._warned.pop((bus_id, "resource.kubernetes.io/pcieRoot"), None)
         return root
+
+    def omitted(self, device: str, attribute: str, error: str) -> None:
+        """Say once that ``device`` is published without ``attribute`` because of ``error``."""
+        if self._warned.get((device, attribute)) != error:
+            self._warned[(device, attribute)] = error
+            log.warning(f"{attribute} unknown; left out of the device's attributes", device=device, error=error)
