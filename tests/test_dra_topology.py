@@ -15,7 +15,9 @@ from kxpu.backends.pci import PcieRootError, PlacementReader, read_pcie_root
 from kxpu.dra.slices import device_attributes
 from kxpu.model import Device, pci_address
 from kxpu.testing.fake_amd import FakeAmd
+from kxpu.testing.fake_nvml import FakeNvml
 from kxpu.testing.fake_host import FakeHost
+from tests.nvidia_support import make
 
 ROOT = "resource.kubernetes.io/pcieRoot"
 BUS = "resource.kubernetes.io/pciBusID"
@@ -150,3 +152,49 @@ def test_amd_garbage_hive_and_pci_link_are_left_out(amd_machines: Callable[[str]
     warnings = [e for e in logs if e["log_level"] == "warning" and "left out" in e["event"]]
     assert len(warnings) == 3, warnings  # one per device and fact, not one per rediscovery
     assert any("expected an integer, found 'hive!'" in e["error"] for e in warnings)
+
+
+# ---------------------------------------------------------------------------------------------- NVIDIA
+def nvidia_attrs(profile: str | FakeNvml, **config: Any) -> dict[str, dict[str, Any]]:
+    backend, _fake = make(profile, **config)
+    try:
+        return {d.id: device_attributes(d) for d in backend.discover()}
+    finally:
+        backend.close()
+
+
+def test_nvlink_bridged_pairs_are_two_islands_on_two_roots() -> None:
+    attrs = list(nvidia_attrs("a100-pcie-4x-bridged").values())  # bridges 0-1 and 2-3, one CPU per pair
+    assert [a[BUS]["string"] for a in attrs] == ["0000:17:00.0", "0000:31:00.0", "0000:98:00.0", "0000:b1:00.0"]
+    assert [a["linkDomain"]["string"] for a in attrs] == ["nvlink-0000:17:00.0"] * 2 + ["nvlink-0000:98:00.0"] * 2
+    assert [a[ROOT]["string"] for a in attrs] == ["pci0000:00"] * 2 + ["pci0000:80"] * 2
+    assert [a[NUMA]["int"] for a in attrs] == [0, 0, 1, 1]
+    assert all("nvlinkClique" not in a for a in attrs)  # no fabric on PCIe cards
+
+
+def test_nvswitch_gpus_share_one_island_and_the_fabric_clique() -> None:
+    attrs = list(nvidia_attrs("gb200-4x").values())
+    assert {a["linkDomain"]["string"] for a in attrs} == {"nvlink-0000:01:00.0"}
+    assert {a["nvlinkClique"]["string"] for a in attrs} == {"5e7c1a2b-3c4d-4e5f-8a9b-0c1d2e3f4a5b.32766"}
+    assert len(nvidia_attrs("a100-8x")) == 8 and {
+        a["linkDomain"]["string"] for a in nvidia_attrs("a100-8x").values()
+    } == {"nvlink-0000:07:00.0"}
+
+
+def test_a_gpu_without_nvlink_has_no_island_and_mig_devices_inherit_the_root() -> None:
+    attrs = nvidia_attrs("h100-mig-single", migStrategy="single")  # MIG devices on two GPUs, no NVLink
+    assert len(attrs) > 2 and all("linkDomain" not in a for a in attrs.values())
+    by_parent = {(a["parentUuid"]["string"], a[ROOT]["string"], a[BUS]["string"]) for a in attrs.values()}
+    assert {(root, bus) for _, root, bus in by_parent} == {("pci0000:00", "0000:18:00.0"), ("pci0000:80", "0000:28:00.0")}
+
+
+def test_nvidia_fabric_not_registered_and_broken_links_are_left_out() -> None:
+    fake = FakeNvml("gb200-4x")
+    fake.gpus[1].fabric = None  # NOT_SUPPORTED
+    (fake.host_root / "sys/bus/pci/devices/0000:41:00.0").unlink()
+    (fake.host_root / "sys/bus/pci/devices/0000:41:00.0").symlink_to("../../../devices/virtual/x")
+    with capture_logs() as logs:
+        attrs = list(nvidia_attrs(fake).values())
+    assert ["nvlinkClique" in a for a in attrs] == [True, False, True, True]
+    assert [ROOT in a for a in attrs] == [True, False, True, True]
+    assert [e["device"] for e in logs if "pcieRoot unknown" in e["event"]] == ["00000000:41:00.0"]
