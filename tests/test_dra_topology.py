@@ -10,11 +10,15 @@ import pytest
 from structlog.testing import capture_logs
 
 from kxpu.backends.amd import AmdBackend, AmdConfig
+from kxpu.backends.ascend.backend import AscendBackend
+from kxpu.backends.ascend.config import AscendConfig
+from kxpu.backends.ascend.dcmi import DcmiSource
 from kxpu.backends.host import Host
 from kxpu.backends.pci import PcieRootError, PlacementReader, read_pcie_root
 from kxpu.dra.slices import device_attributes
 from kxpu.model import Device, pci_address
 from kxpu.testing.fake_amd import FakeAmd
+from kxpu.testing.fake_dcmi import FakeDcmi
 from kxpu.testing.fake_nvml import FakeNvml
 from kxpu.testing.fake_host import FakeHost
 from tests.nvidia_support import make
@@ -198,3 +202,50 @@ def test_nvidia_fabric_not_registered_and_broken_links_are_left_out() -> None:
     assert ["nvlinkClique" in a for a in attrs] == [True, False, True, True]
     assert [ROOT in a for a in attrs] == [True, False, True, True]
     assert [e["device"] for e in logs if "pcieRoot unknown" in e["event"]] == ["00000000:41:00.0"]
+
+
+# ---------------------------------------------------------------------------------------------- Ascend
+def ascend_devices(fake: FakeDcmi) -> list[Device]:
+    config = AscendConfig.model_validate({"hostRoot": str(fake.root)})
+    return AscendBackend(config, DcmiSource(fake.root, fake)).discover()
+
+
+def test_ascend_hccs_rings_are_link_domains() -> None:
+    fake = FakeDcmi("910-8x-rings")
+    try:
+        devices = ascend_devices(fake)
+        assert [d.link_domain for d in devices] == ["hccs-0000:01:00.0"] * 4 + ["hccs-0000:02:00.0"] * 4
+        assert [d.pcie_root for d in devices] == [f"pci0000:{b & 0xC0:02x}" for b in (0xC1, 1, 0x41, 0x81)] * 2
+    finally:
+        fake.cleanup()
+
+
+def test_ascend_mesh_is_one_domain_and_310p_cards_none() -> None:
+    mesh, cards = FakeDcmi("910b-8x"), FakeDcmi("310p-4x")
+    try:
+        assert {d.link_domain for d in ascend_devices(mesh)} == {"hccs-0000:01:00.0"}
+        devices = ascend_devices(cards)
+        assert {d.link_domain for d in devices} == {None}
+        assert {d.pcie_root for d in devices} == {"pci0000:3a"}
+    finally:
+        mesh.cleanup()
+        cards.cleanup()
+
+
+def test_ascend_topology_is_asked_once_and_a_dropped_chip_leaves_its_ring() -> None:
+    fake = FakeDcmi("910-8x-rings")
+    try:
+        backend = AscendBackend(
+            AscendConfig.model_validate({"hostRoot": str(fake.root)}), DcmiSource(fake.root, fake)
+        )
+        backend.discover()
+        asked = fake.calls["dcmi_get_topo_info_by_device_id"]
+        assert asked == 28  # every pair of eight, once
+        backend.discover()
+        assert fake.calls["dcmi_get_topo_info_by_device_id"] == asked  # polls do not ask again
+        fake.drop(0)
+        devices = {d.index: d for d in backend.discover()}
+        assert devices[0].link_domain is None and not devices[0].healthy
+        assert {devices[p].link_domain for p in (1, 2, 3)} == {"hccs-0000:01:00.0"}
+    finally:
+        fake.cleanup()
