@@ -13,14 +13,21 @@ from kxpu.backends.amd import AmdBackend, AmdConfig
 from kxpu.backends.ascend.backend import AscendBackend
 from kxpu.backends.ascend.config import AscendConfig
 from kxpu.backends.ascend.dcmi import DcmiSource
+from kxpu.backends.cambricon import CambriconBackend, CambriconConfig
+from kxpu.backends.gaudi import GaudiBackend, GaudiConfig
+from kxpu.backends.gaudi.hlml import HlmlSource
 from kxpu.backends.host import Host
+from kxpu.backends.neuron import NeuronBackend, NeuronConfig
 from kxpu.backends.pci import PcieRootError, PlacementReader, read_pcie_root
 from kxpu.dra.slices import device_attributes
 from kxpu.model import Device, pci_address
 from kxpu.testing.fake_amd import FakeAmd
+from kxpu.testing.fake_cambricon import FakeCambricon
 from kxpu.testing.fake_dcmi import FakeDcmi
 from kxpu.testing.fake_nvml import FakeNvml
+from kxpu.testing.fake_hlml import FakeHlml
 from kxpu.testing.fake_host import FakeHost
+from kxpu.testing.fake_neuron import FakeNeuron
 from tests.nvidia_support import make
 
 ROOT = "resource.kubernetes.io/pcieRoot"
@@ -249,3 +256,46 @@ def test_ascend_topology_is_asked_once_and_a_dropped_chip_leaves_its_ring() -> N
         assert {devices[p].link_domain for p in (1, 2, 3)} == {"hccs-0000:01:00.0"}
     finally:
         fake.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------- the rest
+def test_gaudi_roots_follow_the_cpus() -> None:
+    fake = FakeHlml("gaudi2-8x")
+    backend = GaudiBackend(
+        GaudiConfig.model_validate({"hostRoot": str(fake.root)}), HlmlSource(fake, fake.types, fake.root, fake=True)
+    )
+    try:
+        devices = backend.discover()
+        assert [d.pcie_root for d in devices] == [f"pci0000:{n * 0x80:02x}" for n in (d.numa_nodes[0] for d in devices)]
+        assert {d.pcie_root for d in devices} == {"pci0000:00", "pci0000:80"}
+        assert all(device_attributes(d)[BUS]["string"] == d.pci_bus_id for d in devices)
+    finally:
+        backend.close()
+        fake.cleanup()
+
+
+def test_cambricon_roots_follow_the_cpus() -> None:
+    fake = FakeCambricon("mlu370-x8-4x")  # NUMA 0, 0, 1, 1
+    try:
+        config = CambriconConfig.model_validate({"hostRoot": str(fake.root)})
+        devices = CambriconBackend(config, library=fake.library, host=Host(fake.root)).discover()
+        assert [d.pcie_root for d in devices] == ["pci0000:00"] * 2 + ["pci0000:80"] * 2
+    finally:
+        fake.cleanup()
+
+
+def test_neuron_pci_parents_and_neuronlink() -> None:
+    fake = FakeNeuron("trn1-32xl-pci")  # a 4x4 torus of 16, half under each CPU
+    old = FakeNeuron("inf1-6xl")  # no links, no PCI parent in the legacy layout
+    try:
+        devices = NeuronBackend(NeuronConfig.model_validate({"hostRoot": str(fake.root)})).discover()
+        assert [d.pcie_root for d in devices] == ["pci0000:00"] * 8 + ["pci0000:80"] * 8
+        assert [d.numa_nodes for d in devices] == [(0,)] * 8 + [(1,)] * 8
+        assert {d.link_domain for d in devices} == {"neuronlink-0"}
+        cores = NeuronBackend(NeuronConfig.model_validate({"hostRoot": str(fake.root), "unit": "core"})).discover()
+        assert len(cores) == 32 and cores[31].pcie_root == "pci0000:80" and cores[31].link_domain == "neuronlink-0"
+        bare = NeuronBackend(NeuronConfig.model_validate({"hostRoot": str(old.root)})).discover()
+        assert {(d.pcie_root, d.link_domain) for d in bare} == {(None, None)}
+    finally:
+        fake.fake.cleanup()
+        old.fake.cleanup()
