@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ from kxpu.backends.ascend.dcmi import DcmiSource
 from kxpu.backends.cambricon import CambriconBackend, CambriconConfig
 from kxpu.backends.gaudi import GaudiBackend, GaudiConfig
 from kxpu.backends.gaudi.hlml import HlmlSource
+from kxpu.backends.generic import GenericBackend, GenericConfig
 from kxpu.backends.host import Host
 from kxpu.backends.neuron import NeuronBackend, NeuronConfig
 from kxpu.backends.pci import PcieRootError, PlacementReader, read_pcie_root
@@ -24,10 +28,10 @@ from kxpu.model import Device, pci_address
 from kxpu.testing.fake_amd import FakeAmd
 from kxpu.testing.fake_cambricon import FakeCambricon
 from kxpu.testing.fake_dcmi import FakeDcmi
-from kxpu.testing.fake_nvml import FakeNvml
 from kxpu.testing.fake_hlml import FakeHlml
 from kxpu.testing.fake_host import FakeHost
 from kxpu.testing.fake_neuron import FakeNeuron
+from kxpu.testing.fake_nvml import FakeNvml
 from tests.nvidia_support import make
 
 ROOT = "resource.kubernetes.io/pcieRoot"
@@ -176,8 +180,15 @@ def nvidia_attrs(profile: str | FakeNvml, **config: Any) -> dict[str, dict[str, 
 
 def test_nvlink_bridged_pairs_are_two_islands_on_two_roots() -> None:
     attrs = list(nvidia_attrs("a100-pcie-4x-bridged").values())  # bridges 0-1 and 2-3, one CPU per pair
-    assert [a[BUS]["string"] for a in attrs] == ["0000:17:00.0", "0000:31:00.0", "0000:98:00.0", "0000:b1:00.0"]
-    assert [a["linkDomain"]["string"] for a in attrs] == ["nvlink-0000:17:00.0"] * 2 + ["nvlink-0000:98:00.0"] * 2
+    assert [a[BUS]["string"] for a in attrs] == [
+        "0000:17:00.0",
+        "0000:31:00.0",
+        "0000:98:00.0",
+        "0000:b1:00.0",
+    ]
+    assert [a["linkDomain"]["string"] for a in attrs] == ["nvlink-0000:17:00.0"] * 2 + [
+        "nvlink-0000:98:00.0"
+    ] * 2
     assert [a[ROOT]["string"] for a in attrs] == ["pci0000:00"] * 2 + ["pci0000:80"] * 2
     assert [a[NUMA]["int"] for a in attrs] == [0, 0, 1, 1]
     assert all("nvlinkClique" not in a for a in attrs)  # no fabric on PCIe cards
@@ -196,7 +207,10 @@ def test_a_gpu_without_nvlink_has_no_island_and_mig_devices_inherit_the_root() -
     attrs = nvidia_attrs("h100-mig-single", migStrategy="single")  # MIG devices on two GPUs, no NVLink
     assert len(attrs) > 2 and all("linkDomain" not in a for a in attrs.values())
     by_parent = {(a["parentUuid"]["string"], a[ROOT]["string"], a[BUS]["string"]) for a in attrs.values()}
-    assert {(root, bus) for _, root, bus in by_parent} == {("pci0000:00", "0000:18:00.0"), ("pci0000:80", "0000:28:00.0")}
+    assert {(root, bus) for _, root, bus in by_parent} == {
+        ("pci0000:00", "0000:18:00.0"),
+        ("pci0000:80", "0000:28:00.0"),
+    }
 
 
 def test_nvidia_fabric_not_registered_and_broken_links_are_left_out() -> None:
@@ -222,7 +236,9 @@ def test_ascend_hccs_rings_are_link_domains() -> None:
     try:
         devices = ascend_devices(fake)
         assert [d.link_domain for d in devices] == ["hccs-0000:01:00.0"] * 4 + ["hccs-0000:02:00.0"] * 4
-        assert [d.pcie_root for d in devices] == [f"pci0000:{b & 0xC0:02x}" for b in (0xC1, 1, 0x41, 0x81)] * 2
+        assert [d.pcie_root for d in devices] == [
+            f"pci0000:{b & 0xC0:02x}" for b in (0xC1, 1, 0x41, 0x81)
+        ] * 2
     finally:
         fake.cleanup()
 
@@ -262,11 +278,14 @@ def test_ascend_topology_is_asked_once_and_a_dropped_chip_leaves_its_ring() -> N
 def test_gaudi_roots_follow_the_cpus() -> None:
     fake = FakeHlml("gaudi2-8x")
     backend = GaudiBackend(
-        GaudiConfig.model_validate({"hostRoot": str(fake.root)}), HlmlSource(fake, fake.types, fake.root, fake=True)
+        GaudiConfig.model_validate({"hostRoot": str(fake.root)}),
+        HlmlSource(fake, fake.types, fake.root, fake=True),
     )
     try:
         devices = backend.discover()
-        assert [d.pcie_root for d in devices] == [f"pci0000:{n * 0x80:02x}" for n in (d.numa_nodes[0] for d in devices)]
+        assert [d.pcie_root for d in devices] == [
+            f"pci0000:{n * 0x80:02x}" for n in (d.numa_nodes[0] for d in devices)
+        ]
         assert {d.pcie_root for d in devices} == {"pci0000:00", "pci0000:80"}
         assert all(device_attributes(d)[BUS]["string"] == d.pci_bus_id for d in devices)
     finally:
@@ -292,10 +311,49 @@ def test_neuron_pci_parents_and_neuronlink() -> None:
         assert [d.pcie_root for d in devices] == ["pci0000:00"] * 8 + ["pci0000:80"] * 8
         assert [d.numa_nodes for d in devices] == [(0,)] * 8 + [(1,)] * 8
         assert {d.link_domain for d in devices} == {"neuronlink-0"}
-        cores = NeuronBackend(NeuronConfig.model_validate({"hostRoot": str(fake.root), "unit": "core"})).discover()
-        assert len(cores) == 32 and cores[31].pcie_root == "pci0000:80" and cores[31].link_domain == "neuronlink-0"
+        cores = NeuronBackend(
+            NeuronConfig.model_validate({"hostRoot": str(fake.root), "unit": "core"})
+        ).discover()
+        assert (
+            len(cores) == 32
+            and cores[31].pcie_root == "pci0000:80"
+            and cores[31].link_domain == "neuronlink-0"
+        )
         bare = NeuronBackend(NeuronConfig.model_validate({"hostRoot": str(old.root)})).discover()
         assert {(d.pcie_root, d.link_domain) for d in bare} == {(None, None)}
     finally:
         fake.fake.cleanup()
         old.fake.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------- generic
+def test_generic_nodes_with_a_pci_parent_carry_its_address_and_root(tmp_path: Path, fake: FakeHost) -> None:
+    """A NIC's verbs node and a GPU render node (fake major:minor numbers) in a fake sysfs: each gets its
+    PCI function and root complex; a node with no PCI parent gets neither."""
+    for name, (major, minor) in {"uverbs0": (231, 192), "renderD128": (226, 128), "null": (1, 3)}.items():
+        os.mknod(tmp_path / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+    nic = "pci0000:80/0000:80:01.0/0000:81:00.0"
+    pci_function(fake, nic)
+    fake.symlink("/sys/dev/char/231:192", f"../../devices/{nic}/infiniband_verbs/uverbs0")
+    fake.symlink(f"/sys/devices/{nic}/infiniband_verbs/uverbs0/device", "../..")
+    fake.symlink("/sys/dev/char/226:128", "../../devices/pci0000:00/0000:00:02.0/0000:03:00.0/drm/renderD128")
+    fake.symlink(
+        "/sys/dev/char/1:3", "../../devices/virtual/mem/null"
+    )  # 0000:03:00.0 has no bus link: root unknown
+    config = GenericConfig.model_validate(
+        {"groups": [{"paths": [str(tmp_path / "*")]}], "sysfsRoot": str(fake.root / "sys")}
+    )
+    with capture_logs() as logs:
+        devices = {Path(str(d.extra["path"])).name: d for d in GenericBackend(config).discover()}
+    assert (devices["uverbs0"].pci_bus_id, devices["uverbs0"].pcie_root) == ("0000:81:00.0", "pci0000:80")
+    assert (devices["renderD128"].pci_bus_id, devices["renderD128"].pcie_root) == ("0000:03:00.0", None)
+    assert (devices["null"].pci_bus_id, devices["null"].pcie_root) == (None, None)
+    assert [e["device"] for e in logs if "pcieRoot unknown" in e["event"]] == ["0000:03:00.0"]
+    attrs = device_attributes(devices["uverbs0"])
+    assert attrs[ROOT] == {"string": "pci0000:80"} and attrs[BUS] == {"string": "0000:81:00.0"}
+    assert attrs[NUMA] == {"int": 0}
+
+
+def test_generic_sysfs_root_must_be_a_sys_directory() -> None:
+    with pytest.raises(ValueError, match="must be an absolute path ending in /sys"):
+        GenericConfig.model_validate({"groups": [{"paths": ["/dev/x"]}], "sysfsRoot": "/tmp/fake"})

@@ -78,4 +78,6 @@ class PlacementReader:
         """Say once that ``device`` is published without ``attribute`` because of ``error``."""
         if self._warned.get((device, attribute)) != error:
             self._warned[(device, attribute)] = error
-            log.warning(f"{attribute} unknown; left out of the device's attributes", device=device, error=error)
+            log.warning(
+                f"{attribute} unknown; left out of the device's attributes", device=device, error=error
+            )

@@ -79,11 +79,11 @@ __all__ = [
     "Wrapper",
     "capabilities_of",
     "check_device_id",
-    "pci_address",
     "decode_grants",
     "encode_grants",
     "find_capability",
     "index_by_id",
     "numa_packed",
+    "pci_address",
     "share_limit_env",
 ]
