@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from structlog.testing import capture_logs
 
 from kxpu.backends.amd import AmdBackend, AmdConfig
@@ -23,6 +25,7 @@ from kxpu.backends.generic import GenericBackend, GenericConfig
 from kxpu.backends.host import Host
 from kxpu.backends.neuron import NeuronBackend, NeuronConfig
 from kxpu.backends.pci import PcieRootError, PlacementReader, read_pcie_root
+from kxpu.config import parse_config
 from kxpu.dra.slices import device_attributes
 from kxpu.model import Device, pci_address
 from kxpu.testing.fake_amd import FakeAmd
@@ -357,3 +360,59 @@ def test_generic_nodes_with_a_pci_parent_carry_its_address_and_root(tmp_path: Pa
 def test_generic_sysfs_root_must_be_a_sys_directory() -> None:
     with pytest.raises(ValueError, match="must be an absolute path ending in /sys"):
         GenericConfig.model_validate({"groups": [{"paths": ["/dev/x"]}], "sysfsRoot": "/tmp/fake"})
+
+
+# ---------------------------------------------------------------------------------------------- names, examples
+_C_ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "dra"
+
+
+def valid_attribute(name: str, value: dict[str, Any]) -> bool:
+    """The API server's rules for a device attribute (k8s.io/api/resource/v1: QualifiedName, one value,
+    strings and versions at most 64 characters)."""
+    domain, _, ident = name.rpartition("/")
+    if domain and (len(domain) > 63 or not _DNS_SUBDOMAIN.match(domain)):
+        return False
+    if len(ident) > 32 or not _C_ID.match(ident) or len(value) != 1:
+        return False
+    (kind, v), *_ = value.items()
+    return kind in ("int", "bool") or (kind in ("string", "version") and len(str(v)) <= 64)
+
+
+def test_every_placement_attribute_passes_the_api_servers_rules(
+    amd_machines: Callable[[str], FakeAmd],
+) -> None:
+    published: list[dict[str, dict[str, Any]]] = []
+    published += nvidia_attrs("gb200-4x").values()
+    published += nvidia_attrs("a100-pcie-4x-bridged").values()
+    published += attrs_by_id(
+        AmdBackend(AmdConfig.model_validate({"hostRoot": str(amd_machines("mi300x-8x-spx").root)})).discover()
+    ).values()
+    dcmi = FakeDcmi("910-8x-rings")
+    try:
+        published += [device_attributes(d) for d in ascend_devices(dcmi)]
+    finally:
+        dcmi.cleanup()
+    names = {name for attrs in published for name in attrs}
+    assert {ROOT, BUS, NUMA, "linkDomain", "nvlinkClique"} <= names
+    bad = [(n, v) for attrs in published for n, v in attrs.items() if not valid_attribute(n, v)]
+    assert not bad, bad
+
+
+def test_the_examples_align_on_attributes_kxpu_publishes() -> None:
+    """examples/dra/topology.yaml names attributes by their qualified names; each one is one that the
+    example's drivers publish (gpu.nvidia.com over the fake NVML, the generic NIC)."""
+    config = parse_config(yaml.safe_load((EXAMPLES / "topology-config.yaml").read_text()))
+    assert [r.name for r in config.resources] == ["nvidia.com/gpu", "example.com/nic"]
+    gpu_attrs = next(iter(nvidia_attrs("a100-pcie-4x-bridged").values()))
+    published = {f"gpu.nvidia.com/{n}" if "/" not in n else n for n in gpu_attrs}
+    templates = [d for d in yaml.safe_load_all((EXAMPLES / "topology.yaml").read_text()) if d]
+    constraints = [
+        c
+        for t in templates
+        if t["kind"] == "ResourceClaimTemplate"
+        for c in t["spec"]["spec"]["devices"]["constraints"]
+    ]
+    assert {c["matchAttribute"] for c in constraints} == {"gpu.nvidia.com/linkDomain", ROOT}
+    assert {c["matchAttribute"] for c in constraints} <= published
