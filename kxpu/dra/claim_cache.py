@@ -44,7 +44,7 @@ _RESULT_KEYS = ("driver", "request", "device", "pool", "shareID", "adminAccess",
 
 
 class ClaimWatchApi(Protocol):
-    """Listing and watching every ResourceClaim (``kxpu.dra.kube.DraKube`` against the API server)."""
+    """Listing and watching every ResourceClaim (``kxpu.kube.dra.DraKube`` against the API server)."""
 
     async def list_claims(self, each: Callable[[Mapping[str, Any]], None]) -> str | None:
         """Call ``each`` for every claim of the cluster (paged); the list's resourceVersion."""

@@ -19,7 +19,7 @@ from kxpu.logs import error_text, get_logger
 if TYPE_CHECKING:
     from lightkube import AsyncClient
 
-log = get_logger("kxpu.dra.kube")
+log = get_logger("kxpu.kube.dra")
 
 COMPONENT = "kxpu-dra"
 

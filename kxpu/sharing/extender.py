@@ -327,10 +327,10 @@ async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_ad
     """Run the extender until cancelled: caches from watches, keys from the Secret, HTTP on ``address``
     (and metrics and probes on ``metrics_address`` unless it is empty)."""
     from kxpu.kube.client import make_client
+    from kxpu.kube.sharing.api import KubeSchedulerAPI
+    from kxpu.kube.sharing.informer import Informer
+    from kxpu.kube.sharing.keys import KeyStore, publish_public_keys
     from kxpu.logs import error_text
-    from kxpu.sharing.kube.api import KubeSchedulerAPI
-    from kxpu.sharing.kube.informer import Informer
-    from kxpu.sharing.kube.keys import KeyStore, publish_public_keys
 
     client = make_client()
     keys = KeyStore([config.signing_key, *config.extra_keys], lambda: client)

@@ -18,7 +18,7 @@
   missing, stale, forged or mismatched assignment is refused with a message naming the
   pod and the reason, and a Warning event on the pod.
 
-The API server is behind ``NodeLink`` (``kxpu.sharing.kube.node`` for real; tests use an
+The API server is behind ``NodeLink`` (``kxpu.kube.sharing.node`` for real; tests use an
 in-memory one). Kubelet call order makes "the next container" well defined: for one pod it
 admits containers in spec order, each with GetPreferredAllocation then Allocate per resource,
 so an Allocate goes to the first container not yet allocated whose devices are those offered.

@@ -1,5 +1,7 @@
-"""Sharing's adapters over the Kubernetes client (``kxpu.kube``): caches fed by watches, node locks, bind,
-the node's inventory and handshake, signing keys.
+"""Fractional sharing's API traffic, on ``kxpu.kube``'s client: the extender's caches fed by watches
+(``informer``), node locks and bind (``api``, ``lease``), signing keys (``keys``), the node daemon's link
+(``node``).
 
-Everything above it speaks plain dicts and dataclasses; lightkube is imported only here and in ``kxpu.kube``.
+The protocol itself (lock text, signatures, placement) is ``kxpu.sharing``'s pure core, which these
+modules call; ``kxpu.sharing`` reaches the API server only through them.
 """

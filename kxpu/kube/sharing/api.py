@@ -14,8 +14,8 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from kxpu.kube.client import annotations_of, is_status, now, post_event, version_of
+from kxpu.kube.sharing.lease import LeaseLocks
 from kxpu.logs import get_logger
-from kxpu.sharing.kube.lease import LeaseLocks
 from kxpu.sharing.lock import (
     ASSIGNED_POD_LABEL,
     HARD_EXPIRED,
@@ -26,7 +26,7 @@ from kxpu.sharing.lock import (
 )
 from kxpu.sharing.scheduler import LockBusy, PodRef
 
-log = get_logger("kxpu.sharing.kube.api")
+log = get_logger("kxpu.kube.sharing.api")
 
 _CAS_ATTEMPTS = 5
 _Binding = create_namespaced_resource("", "v1", "Binding", "bindings")

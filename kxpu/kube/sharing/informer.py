@@ -35,7 +35,7 @@ from kxpu.sharing.model import Assignment
 from kxpu.sharing.placement import NodeFacts
 from kxpu.sharing.state import ClusterState
 
-log = get_logger("kxpu.sharing.kube.informer")
+log = get_logger("kxpu.kube.sharing.informer")
 
 
 def live_assignment(pod: Any, keys: signing.Keys) -> Assignment | None:

@@ -32,7 +32,7 @@ from kxpu.logs import get_logger
 from kxpu.sharing.config import KeySource
 from kxpu.sharing.signing import Keyring, generate_private_pem, parse_keyring
 
-log = get_logger("kxpu.sharing.kube.keys")
+log = get_logger("kxpu.kube.sharing.keys")
 
 
 class KeyStore:

@@ -10,11 +10,11 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from kxpu.kube.client import annotations_of, is_status, make_client, now, post_event
+from kxpu.kube.sharing.api import release
+from kxpu.kube.sharing.keys import KeyStore
+from kxpu.kube.sharing.lease import LeaseLocks
 from kxpu.sharing.config import SharingConfig
 from kxpu.sharing.inventory import SHARING_NODE_LABEL
-from kxpu.sharing.kube.api import release
-from kxpu.sharing.kube.keys import KeyStore
-from kxpu.sharing.kube.lease import LeaseLocks
 from kxpu.sharing.lock import (
     BIND_PHASE_ANNOTATION,
     LOCK_PROTOCOL_ANNOTATION,
