@@ -1,0 +1,5 @@
+import sys
+
+from e2e.cluster.core import main
+
+sys.exit(main())
