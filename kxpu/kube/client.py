@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from lightkube import ApiError, AsyncClient, ConfigError, KubeConfig, operators
 from lightkube.models.core_v1 import EventSource, ObjectReference
@@ -14,6 +14,9 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Node, Pod
 
 FIELD_MANAGER = "kxpu"
+# How many times a read-then-compare-and-swap is tried before giving up on an object that keeps changing
+# (each 409 Conflict means someone else wrote it in between: read it again and decide again).
+CAS_ATTEMPTS = 5
 # Kinds kxpu posts events about that live in a namespace (the rest, such as Node, are cluster-scoped).
 NAMESPACED_EVENT_KINDS = frozenset({"Pod", "ResourceClaim"})
 
@@ -55,8 +58,25 @@ def kubeconfig_token(kubeconfig: Path) -> str | None:
     return None
 
 
+T = TypeVar("T")
+
+
 def is_status(exc: BaseException, *codes: int) -> bool:
+    """Whether ``exc`` is the API server's answer with one of these HTTP status codes."""
     return isinstance(exc, ApiError) and exc.status.code in codes
+
+
+async def get_or_none(
+    client: AsyncClient, resource: type[T], name: str, namespace: str | None = None
+) -> T | None:
+    """The object, or None when the API server answers 404 (any other refusal is raised)."""
+    try:
+        got: T = await client.get(cast(Any, resource), name, namespace=namespace)
+    except ApiError as exc:
+        if is_status(exc, 404):
+            return None
+        raise
+    return got
 
 
 def name_of(obj: Any) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lightkube import AsyncClient
@@ -21,7 +21,8 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Node, Pod
 
 from kxpu.kube.client import annotations_of, name_of, uid_of, version_of
-from kxpu.logs import error_text, get_logger
+from kxpu.kube.watch import keep_watching, list_version
+from kxpu.logs import get_logger
 from kxpu.sharing import signing
 from kxpu.sharing.inventory import SHARING_NODE_LABEL
 from kxpu.sharing.lock import (
@@ -107,14 +108,6 @@ def annotations_node(annotations: Any) -> str:
         return ""
 
 
-def _list_version(listing: Any) -> str | None:
-    """The list's resourceVersion, to watch from exactly where the list ended (None: from now)."""
-    try:
-        return str(listing.resourceVersion)
-    except Exception:
-        return None
-
-
 class Informer:
     def __init__(
         self,
@@ -147,24 +140,11 @@ class Informer:
             if self.lock_namespace is not None:
                 tasks.create_task(self._loop("leases", self._sync_leases))
 
-    async def _loop(self, what: str, sync: Callable[[], Any]) -> None:
-        delay = 0.5
-        while True:
-            try:
-                await sync()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning(
-                    "watch failed; listing again",
-                    what=what,
-                    error=error_text(exc),
-                    retry_in_s=delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-                continue
-            delay = 0.5
+    async def _loop(self, what: str, sync: Callable[[Callable[[], None]], Awaitable[None]]) -> None:
+        def failed(error: str, retry_in_s: float) -> None:
+            log.warning("watch failed; listing again", what=what, error=error, retry_in_s=retry_in_s)
+
+        await keep_watching(sync, failed)
 
     def _mark(self, what: str) -> None:
         if not self._synced[what]:
@@ -173,7 +153,7 @@ class Informer:
             if self.ready:
                 self.synced_event.set()
 
-    async def _sync_nodes(self) -> None:
+    async def _sync_nodes(self, delivered: Callable[[], None]) -> None:
         listing = self.client.list(Node, labels={SHARING_NODE_LABEL: "true"})
         seen: set[str] = set()
         async for node in listing:
@@ -183,10 +163,11 @@ class Informer:
         for gone in set(self.state.node_names) - seen:
             self.state.remove_node(gone)
         self._mark("nodes")
-        version = _list_version(listing)
+        version = list_version(listing)
         async for event, node in self.client.watch(
             Node, labels={SHARING_NODE_LABEL: "true"}, resource_version=version
         ):
+            delivered()
             name = name_of(node)
             if event == "DELETED":
                 self.state.remove_node(name)
@@ -205,7 +186,7 @@ class Informer:
         unschedulable = bool(spec is not None and spec.unschedulable)
         self.state.set_node_facts(name, NodeFacts(labels, tuple(taints), unschedulable))
 
-    async def _sync_pods(self) -> None:
+    async def _sync_pods(self, delivered: Callable[[], None]) -> None:
         listing = self.client.list(Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"})
         keys = self.keys()
         seen: set[str] = set()
@@ -216,10 +197,11 @@ class Informer:
         for gone in self.state.pod_uids() - seen:
             self.state.remove_pod(gone)
         self._mark("pods")
-        version = _list_version(listing)
+        version = list_version(listing)
         async for event, pod in self.client.watch(
             Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"}, resource_version=version
         ):
+            delivered()
             uid = uid_of(pod)
             if event == "DELETED":
                 self.state.remove_pod(uid)
@@ -244,7 +226,7 @@ class Informer:
             self.state.set_lease(node, resource, version_of(lease) or "", holder or None)
         return node, resource
 
-    async def _sync_leases(self) -> None:
+    async def _sync_leases(self, delivered: Callable[[], None]) -> None:
         assert self.lock_namespace is not None
         listing = self.client.list(Lease, namespace=self.lock_namespace, labels={LEASE_LABEL: "true"})
         seen: set[tuple[str, str]] = set()
@@ -255,8 +237,9 @@ class Informer:
         for node, resource in self.state.lease_keys() - seen:
             self.state.set_lease(node, resource, None, None)
         self._mark("leases")
-        version = _list_version(listing)
+        version = list_version(listing)
         async for event, lease in self.client.watch(
             Lease, namespace=self.lock_namespace, labels={LEASE_LABEL: "true"}, resource_version=version
         ):
+            delivered()
             self._set_lease(lease, deleted=event == "DELETED")
