@@ -1,17 +1,19 @@
 """kxpu.kube.watch: the one loop that keeps every watch of API objects going (the extender's caches, the
 DRA driver's claim cache and slice watch). What it promises: a failed round is said once, in the caller's
 words, and retried after a backoff that doubles to its cap and starts over once a watch delivers again; a
-round that ended cleanly starts again after the pause; ``after`` runs after every round, cancelled included."""
+round that ended cleanly starts again after the pause; ``after`` runs after every round, cancelled included;
+``list_then_watch`` replaces a cache with a fresh list, then follows the watch from where the list ended."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from kxpu.kube import watch
-from kxpu.kube.watch import keep_watching, list_version
+from kxpu.kube.watch import keep_watching, list_then_watch, list_version
 
 
 class Refused(Exception):
@@ -90,3 +92,75 @@ def test_list_version_is_where_the_list_ended_or_none() -> None:
 
     assert list_version(Listed()) == "42"
     assert list_version(NotReady()) is None
+
+
+class Listing:
+    """lightkube's list: an async iterable whose resourceVersion is known once it is exhausted."""
+
+    def __init__(self, objects: list[str], version: str) -> None:
+        self.objects, self.version, self.done = objects, version, False
+
+    def __aiter__(self) -> Any:
+        return self._each()
+
+    async def _each(self) -> Any:
+        for obj in self.objects:
+            yield obj
+        self.done = True
+
+    @property
+    def resourceVersion(self) -> str:
+        if not self.done:
+            raise RuntimeError("not ready")
+        return self.version
+
+
+class Client:
+    def __init__(self, listed: list[str], events: list[tuple[str, str]]) -> None:
+        self.listed, self.events = listed, events
+        self.calls: list[tuple[str, Any, dict[str, Any]]] = []
+
+    def list(self, resource: Any, **selector: Any) -> Listing:
+        self.calls.append(("list", resource, selector))
+        return Listing(self.listed, "7")
+
+    async def watch(self, resource: Any, **selector: Any) -> Any:
+        self.calls.append(("watch", resource, selector))
+        for event in self.events:
+            yield event
+
+
+async def test_a_round_replaces_the_cache_with_the_list_then_follows_the_watch_from_where_it_ended() -> None:
+    cache = {"gone": "old", "a": "old"}
+    order: list[str] = []
+    delivered: list[None] = []
+
+    def put(obj: str) -> str | None:
+        if obj == "ignored":
+            return None
+        cache[obj] = "put"
+        return obj
+
+    def keep_only(seen: set[str]) -> None:
+        order.append("keep_only")
+        for key in set(cache) - seen:
+            del cache[key]
+
+    client = Client(["a", "b", "ignored"], [("ADDED", "c"), ("DELETED", "a"), ("MODIFIED", "b")])
+    await list_then_watch(
+        client,
+        str,
+        {"labels": {"x": "y"}},
+        put=put,
+        drop=lambda obj: cache.pop(obj),
+        keep_only=keep_only,
+        synced=lambda: order.append(f"synced with {sorted(cache)}"),
+        delivered=lambda: delivered.append(None),
+    )
+    assert order == ["keep_only", "synced with ['a', 'b']"]  # "gone" went: the list replaced the cache
+    assert cache == {"b": "put", "c": "put"}
+    assert len(delivered) == 3
+    assert client.calls == [
+        ("list", str, {"labels": {"x": "y"}}),
+        ("watch", str, {"labels": {"x": "y"}, "resource_version": "7"}),
+    ]
