@@ -13,6 +13,8 @@ from lightkube.models.core_v1 import EventSource, ObjectReference
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Node, Pod
 
+T = TypeVar("T")
+
 FIELD_MANAGER = "kxpu"
 # How many times a read-then-compare-and-swap is tried before giving up on an object that keeps changing
 # (each 409 Conflict means someone else wrote it in between: read it again and decide again).
@@ -56,9 +58,6 @@ def kubeconfig_token(kubeconfig: Path) -> str | None:
         except OSError:
             return None
     return None
-
-
-T = TypeVar("T")
 
 
 def is_status(exc: BaseException, *codes: int) -> bool:
