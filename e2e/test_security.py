@@ -153,7 +153,7 @@ def slice_body(name: str, node: str, driver: str, pool: str | None = None) -> di
 
 
 def lock_lease(node: str) -> dict[str, Any]:
-    """A node lock Lease as the extender makes it (kxpu.sharing.kube.lease)."""
+    """A node lock Lease as the extender makes it (kxpu.kube.sharing.lease)."""
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
