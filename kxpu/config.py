@@ -32,7 +32,6 @@ DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 KUBELET_CHECKPOINT = "kubelet_internal_checkpoint"
-KUBELET_DRA_CHECKPOINT = "dra_manager_state"  # in the kubelet's root directory (--root-dir)
 
 # The kubelet's rules for an extended resource name (v1helper.IsExtendedResourceName):
 # "domain/name", not in the kubernetes.io domains, not "requests.*", and "requests.<name>"
@@ -200,15 +199,11 @@ class TelemetryConfig(_Model):
     kubelet_checkpoint: Path | None = Field(
         default=None, description="default: <devicePluginDir>/kubelet_internal_checkpoint"
     )
-    kubelet_dra_checkpoint: Path | None = Field(
-        default=None,
-        description="the kubelet's DRA checkpoint (claim → pod UIDs); default: <kubeletPluginsDir>/../dra_manager_state",
-    )
     events: bool = Field(
         default=False, description="a Warning event on a pod whose container exceeds its grant (API access)"
     )
 
-    @field_validator("host_root", "kubelet_checkpoint", "kubelet_dra_checkpoint")
+    @field_validator("host_root", "kubelet_checkpoint")
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
@@ -240,13 +235,6 @@ class Config(_Model):
     @property
     def kubelet_checkpoint(self) -> Path:
         return self.telemetry.kubelet_checkpoint or self.device_plugin_dir / KUBELET_CHECKPOINT
-
-    @property
-    def kubelet_dra_checkpoint(self) -> Path:
-        """The kubelet keeps it in its root directory, the parent of its plugins directory."""
-        return (
-            self.telemetry.kubelet_dra_checkpoint or self.kubelet_plugins_dir.parent / KUBELET_DRA_CHECKPOINT
-        )
 
     @field_validator("resources")
     @classmethod

@@ -237,6 +237,7 @@ class Daemon:
                 # DRA: the driver's prepared claims, read (copied) from its checkpoint
                 r.runner.dra.driver if r.runner.dra is not None else None,
                 dict(r.runner.dra.checkpoint.claims) if r.runner.dra is not None else {},
+                r.runner.dra.claim_pods if r.runner.dra is not None else None,
             )
             for name, r in list(self._running.items())
             if r.runner.backend is not None and r.runner.phase not in (Phase.FAILED, Phase.STOPPED)

@@ -17,7 +17,7 @@ import itertools
 import os
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,6 +67,10 @@ class DraServer(Protocol):
     def poke(self) -> None: ...
 
     async def withdraw(self) -> None: ...
+
+    async def claim_pods(self, uids: Collection[str]) -> dict[str, frozenset[str]]:
+        """Prepared claim UID → the UIDs of the pods its ``status.reservedFor`` names (telemetry's pod UIDs)."""
+        ...
 
     def describe(self) -> dict[str, Any]:
         """For the daemon's /status: the driver, its pool and the prepared claims."""

@@ -24,6 +24,10 @@ watch would have to trail the scheduler, the binding and the kubelet's own read 
 A miss is never an error: the preparer reads the claim from the API server (a GET), as without a cache.
 ``allocation_for`` checks a hit exactly as it checks a GET's answer.
 
+Telemetry reads one more thing of each claim allocated here: the UIDs of the pods in its ``status.reservedFor``
+(``pods_of``), kept apart from the prepare entries (a frozenset per claim, kept after ``take``), so that samples
+of a DRA-allocated device are tied to the pods whose processes run on it.
+
 The cache needs ``list`` and ``watch`` on resourceclaims (read-only).
 """
 
@@ -61,6 +65,22 @@ def _get(obj: Any, *path: str) -> Any:
             return None
         obj = obj.get(key)
     return obj
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> frozenset[str]:
+    """The UIDs of the pods ``status.reservedFor`` names (entries ``{resource: pods, name, uid}`` of the core
+    group; other consumers are not pods)."""
+    reserved = _get(claim, "status", "reservedFor")
+    if not isinstance(reserved, Sequence):
+        return frozenset()
+    return frozenset(
+        r["uid"]
+        for r in reserved
+        if isinstance(r, Mapping)
+        and r.get("resource") == "pods"
+        and not r.get("apiGroup")
+        and isinstance(r.get("uid"), str)
+    )
 
 
 def trim(claim: Mapping[str, Any], driver: str, pool: str) -> dict[str, Any] | None:
@@ -108,6 +128,7 @@ class ClaimCache:
         self.api = api
         self.synced = False
         self._claims: dict[str, dict[str, Any]] = {}  # UID → trimmed claim
+        self._pods: dict[str, frozenset[str]] = {}  # UID → its reservedFor pod UIDs, while allocated here
         self._size = metrics.CLAIM_CACHE_CLAIMS.labels(driver)
         self.log = log.bind(driver=driver)
 
@@ -124,6 +145,11 @@ class ClaimCache:
         self._size.set(len(self._claims))
         return claim
 
+    def pods_of(self, uid: str) -> frozenset[str] | None:
+        """The UIDs of the pods claim ``uid`` is reserved for, while it is allocated on this node and the cache
+        is synced; None: ask the API server."""
+        return self._pods.get(uid) if self.synced else None
+
     def apply(self, kind: str, claim: Mapping[str, Any]) -> None:
         """One watch event."""
         uid = _get(claim, "metadata", "uid")
@@ -132,8 +158,10 @@ class ClaimCache:
         kept = trim(claim, self.driver, self.pool) if kind != "DELETED" else None
         if kept is None:
             self._claims.pop(uid, None)
+            self._pods.pop(uid, None)
         else:
             self._claims[uid] = kept
+            self._pods[uid] = reserved_pods(claim)
         self._size.set(len(self._claims))
 
     def forget(self) -> None:
@@ -145,15 +173,17 @@ class ClaimCache:
         assert self.api is not None
         self.synced = False
         fresh: dict[str, dict[str, Any]] = {}
+        pods: dict[str, frozenset[str]] = {}
 
         def keep(claim: Mapping[str, Any]) -> None:
             uid = _get(claim, "metadata", "uid")
             kept = trim(claim, self.driver, self.pool)
             if isinstance(uid, str) and kept is not None:
                 fresh[uid] = kept
+                pods[uid] = reserved_pods(claim)
 
         version = await self.api.list_claims(keep)
-        self._claims = fresh
+        self._claims, self._pods = fresh, pods
         self._size.set(len(fresh))
         self.synced = True
         return version

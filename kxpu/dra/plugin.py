@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import enum
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from kxpu.daemon.serving import stop_server
 from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import Checkpoint
-from kxpu.dra.claim_cache import ClaimCache
+from kxpu.dra.claim_cache import ClaimCache, reserved_pods
 from kxpu.dra.config import DraConfig, dra_socket, registration_socket
 from kxpu.dra.prepare import ClaimSource, Preparer
 from kxpu.dra.publisher import SliceApi, SlicePublisher
@@ -410,6 +410,23 @@ class DraPlugin:
             finally:
                 for change in changes:
                     change.cancel()
+
+    async def claim_pods(self, uids: Collection[str]) -> dict[str, frozenset[str]]:
+        """Prepared claim UID → the UIDs of the pods it is reserved for (``status.reservedFor``), for telemetry:
+        from the claim cache while it is synced, else one GET per claim. A claim gone or replaced (another UID)
+        is left out; an API failure raises (the caller says which source failed)."""
+        cache, found = self.claim_cache, {}
+        wanted = [u for u in uids if u in self.checkpoint.claims]
+        for uid in wanted:
+            if cache is not None and (pods := cache.pods_of(uid)) is not None:
+                found[uid] = pods
+        for uid in (u for u in wanted if u not in found):
+            prepared = self.checkpoint.claims[uid]
+            claim = await self.preparer.claims.get_claim(prepared.namespace, prepared.name)
+            meta = claim.get("metadata") if claim is not None else None
+            if isinstance(meta, Mapping) and meta.get("uid") == uid:
+                found[uid] = reserved_pods(claim or {})
+        return found
 
     def describe(self) -> dict[str, Any]:
         """The driver, its pool and what is prepared (read from the HTTP thread: plain reads only)."""

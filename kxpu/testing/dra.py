@@ -291,6 +291,12 @@ class FakeDraApi:
         }
         return ClaimRef(namespace, uid, name)
 
+    def reserve(self, namespace: str, name: str, pods: Mapping[str, str]) -> None:
+        """What the scheduler writes before binding: ``status.reservedFor``, one entry per pod (name → UID)."""
+        self.claims[(namespace, name)]["status"]["reservedFor"] = [
+            {"resource": "pods", "name": pod, "uid": uid} for pod, uid in pods.items()
+        ]
+
     async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any] | None:
         self._maybe_fail()
         claim = self.claims.get((namespace, name))
