@@ -29,7 +29,7 @@ from kxpu.backends.neuron.sysfs import (
     NeuronHost,
     NeuronReader,
 )
-from kxpu.backends.neuron.telemetry import sample_devices
+from kxpu.backends.neuron.telemetry import Layout, sample_devices
 from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
@@ -134,6 +134,7 @@ class NeuronBackend(Backend):
         self._lnc = 1
         self._block = 1
         self._sample_errors: set[str] = set()
+        self._layout: Layout = {}  # each device's cores and memory categories, listed once per discovery
 
     # ------------------------------------------------------------------ telemetry
     def sample(self) -> TelemetrySample:
@@ -142,7 +143,7 @@ class NeuronBackend(Backend):
         host = self._snapshot
         devices = [(d.serial or f"neuron{d.index}", d) for d in (host.devices if host else ())]
         errors: list[str] = []
-        sample = sample_devices(self.host, devices, errors)
+        sample = sample_devices(self.host, devices, errors, self._layout)
         for error in errors:
             if error not in self._sample_errors:
                 self._sample_errors.add(error)
@@ -213,6 +214,7 @@ class NeuronBackend(Backend):
                 units[unit.id] = unit
                 devices.append(self._device(unit, host, lnc, block))
         self._units, self._snapshot, self._lnc, self._block = units, host, lnc, block
+        self._layout = {}  # a new discovery lists the cores and categories again
         return devices
 
     def _device(self, unit: Unit, host: NeuronHost, lnc: int, block: int) -> Device:
