@@ -86,7 +86,12 @@ def test_a_sample_reads_counters_only_and_discovery_lists_again(
 
     listed: list[str] = []
     listdir = Host.listdir
-    monkeypatch.setattr(Host, "listdir", lambda self, path: listed.append(path) or listdir(self, path))
+
+    def counted(self: Host, path: str) -> list[str]:
+        listed.append(path)
+        return listdir(self, path)
+
+    monkeypatch.setattr(Host, "listdir", counted)
     fake = machines("inf2-48xl")
     neuron = backend(fake)
     neuron.discover()
