@@ -7,6 +7,7 @@ cannot mount it), and processes tied to pods through a fake host's /proc/<pid>/c
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import re
 import shutil
@@ -372,3 +373,40 @@ def test_partitions_made_for_claims_are_held_under_their_own_uuid() -> None:
     assert (holders["pod-a"].uuids, holders["pod-a"].pod_uid) == (frozenset({"MIG-a"}), "p-a")
     assert (holders["pod-b"].uuids, holders["pod-b"].claim) == (frozenset({"MIG-b"}), "ml/gpu-0-mig-1g-b")
     assert not holders["pod-a"].grants  # a partition is its whole: no share grant
+
+
+async def test_claim_pods_come_from_the_synced_cache_else_from_a_get(tmp_path: Path) -> None:
+    """The pod UIDs of a prepared claim: from the claim cache while it is synced (no API read), from a GET of the
+    claim otherwise; a claim recreated under the same name (another UID) gives nothing, nor does one not prepared."""
+    from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+    from kxpu.dra.checkpoint import PreparedClaim
+    from kxpu.dra.claim_cache import ClaimCache
+
+    api = FakeDraApi({NODE: "uid-a"})
+    ref = api.add_claim("a", [{"request": "npu", "driver": DRIVER, "pool": NODE, "device": "npu-0"}], "ml")
+    api.reserve("ml", "a", {"pod-a": "uid-pod-a"})
+    cache = ClaimCache(DRIVER, NODE)
+    plugin = DraPlugin(
+        NPU,
+        DRIVER,
+        NODE,
+        SimulatedBackend(SimulatedConfig(count=1, model="npu")),
+        DeviceSnapshot(),
+        tmp_path / "plugins",
+        tmp_path / "registry",
+        api,
+        api,
+        claim_cache=cache,
+    )
+    plugin.checkpoint.claims[ref.uid] = PreparedClaim("ml", "a", None)
+    assert await plugin.claim_pods([ref.uid, "not-prepared"]) == {ref.uid: frozenset({"uid-pod-a"})}  # a GET
+    cached = copy.deepcopy(api.claims[("ml", "a")])
+    cached["status"]["reservedFor"].append({"resource": "pods", "name": "pod-b", "uid": "uid-pod-b"})
+    cache.apply("MODIFIED", cached)
+    cache.synced = True
+    api.fail_next = RuntimeError("no API read while the cache is synced")
+    assert await plugin.claim_pods([ref.uid]) == {ref.uid: frozenset({"uid-pod-a", "uid-pod-b"})}
+    api.fail_next = None
+    cache.forget()
+    api.claims[("ml", "a")]["metadata"]["uid"] = "recreated"
+    assert await plugin.claim_pods([ref.uid]) == {}
