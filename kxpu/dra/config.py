@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from kxpu.dra.names import check_driver_name
+from kxpu.dra.taints import Effect, TaintPolicy
+from kxpu.model import FaultClass
 from kxpu.sockets import MAX_SOCKET_PATH
 
 DEFAULT_KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
@@ -73,6 +75,34 @@ class DraSharesConfig(BaseModel):
         return self
 
 
+class DraTaintsConfig(BaseModel):
+    """``dra.taints``: the effect of the taint each class of fault puts on a device in the ResourceSlice
+    (``kxpu.dra.taints``; docs/dra.md, "Device faults"). ``NoSchedule``: no new claim gets the device, running
+    pods stay. ``NoExecute``: the pods using it are evicted too. ``None``: informational, the device stays
+    allocatable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    device_lost: Effect = Field(default="NoSchedule", description="kxpu.io/device-lost: gone from the bus")
+    ecc_fatal: Effect = Field(default="NoSchedule", description="kxpu.io/ecc-fatal: uncorrectable ECC/RAS")
+    unmonitored: Effect = Field(default="NoSchedule", description="kxpu.io/unmonitored: health source down")
+    driver_error: Effect = Field(
+        default="NoSchedule", description="kxpu.io/driver-error: driver/library error"
+    )
+    other: Effect = Field(default="NoSchedule", description="kxpu.io/unhealthy: any other reason")
+
+    def policy(self) -> TaintPolicy:
+        return TaintPolicy(
+            {
+                FaultClass.DEVICE_LOST: self.device_lost,
+                FaultClass.ECC_FATAL: self.ecc_fatal,
+                FaultClass.UNMONITORED: self.unmonitored,
+                FaultClass.DRIVER_ERROR: self.driver_error,
+                FaultClass.OTHER: self.other,
+            }
+        )
+
+
 class DraConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
@@ -84,8 +114,12 @@ class DraConfig(BaseModel):
     cdi_spec_dir: Path = DEFAULT_CDI_SPEC_DIR
     unhealthy: Literal["taint", "withdraw"] = Field(
         default="taint",
-        description="taint unhealthy devices (NoSchedule) or leave them out of the ResourceSlice; taints fall "
-        "back to withdrawal where the API server drops them",
+        description="taint unhealthy devices (per fault class, see taints) or leave them out of the "
+        "ResourceSlice (all but those whose effect is None); taints fall back to withdrawal where the API "
+        "server drops them",
+    )
+    taints: DraTaintsConfig = Field(
+        default_factory=DraTaintsConfig, description="the taint effect per fault class"
     )
     shares: DraSharesConfig | None = Field(
         default=None, description="consumable capacity: several claims per device"

@@ -160,6 +160,7 @@ class DraPlugin:
             settings.cdi_spec_dir,
             claims,
             settings.shares,
+            settings.taints.policy(),
         )
         self.claim_cache = self.preparer.claim_cache = claim_cache
         shares = settings.shares
@@ -171,7 +172,9 @@ class DraPlugin:
             else None
         )
         self.slice_api = slices
-        self.publisher = SlicePublisher(slices, driver, node, settings.unhealthy, policy)
+        self.publisher = SlicePublisher(
+            slices, driver, node, settings.unhealthy, policy, settings.taints.policy()
+        )
         self._republish = asyncio.Event()  # the slices in the API may no longer be what was published
         self._active = asyncio.Event()  # serving (not standing by): only then are slices published
         self.phase = DraPhase.STARTING

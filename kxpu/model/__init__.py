@@ -32,6 +32,7 @@ from kxpu.model.device import (
     index_by_id,
 )
 from kxpu.model.edits import ContainerEdits, DeviceNode, Mount
+from kxpu.model.faults import FaultClass, fault_class
 from kxpu.model.limits import share_limit_env
 from kxpu.model.telemetry import (
     GRANT_ANNOTATION,
@@ -60,6 +61,7 @@ __all__ = [
     "DeviceNode",
     "DeviceShare",
     "DeviceUsage",
+    "FaultClass",
     "Grant",
     "GrantError",
     "Health",
@@ -80,6 +82,7 @@ __all__ = [
     "check_device_id",
     "decode_grants",
     "encode_grants",
+    "fault_class",
     "find_capability",
     "index_by_id",
     "numa_packed",
