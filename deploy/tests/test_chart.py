@@ -785,6 +785,38 @@ def test_a_draining_driver_keeps_the_plugin_dirs_api_access_and_its_slices_in_th
     assert '["npu.example.com"]' in [v["expression"] for v in policy["spec"]["variables"]]
 
 
+def test_dra_taints_reach_every_dra_resource_that_names_none(helm: Path, dra: Rendered) -> None:
+    """dra.taints fills in each DRA resource's dra.taints on every node config; a resource's own taints win, a
+    device-plugin resource gets none; the configs load."""
+    rendered = template(
+        helm,
+        "--values",
+        str(DRA_VALUES),
+        "--set",
+        "dra.taints.deviceLost=NoExecute",
+        "--set",
+        "dra.taints.unmonitored=None",
+        "--set",
+        "nodeConfigs.gpu-nodes.resources[1].dra.taints.deviceLost=NoSchedule",
+    )
+    configs = {ds["metadata"]["name"]: config_of(rendered, ds) for ds in rendered.kinds("DaemonSet")}
+    taints = {
+        (ds, r["name"]): (r.get("dra") or {}).get("taints")
+        for ds, c in configs.items()
+        for r in c["resources"]
+    }
+    assert taints == {
+        ("kxpu-plugin", "example.com/npu"): {"deviceLost": "NoExecute", "unmonitored": "None"},
+        ("kxpu-plugin", "example.com/fpga"): None,
+        ("kxpu-plugin-gpu-nodes", "nvidia.com/gpu"): {"deviceLost": "NoExecute", "unmonitored": "None"},
+        ("kxpu-plugin-gpu-nodes", "example.com/npu"): {"deviceLost": "NoSchedule"},
+    }
+    for config in configs.values():
+        parse_config(config)
+    # Without dra.taints nothing is added (each resource's default: NoSchedule for every fault).
+    assert all("taints" not in str(config_of(dra, ds)) for ds in dra.kinds("DaemonSet"))
+
+
 @pytest.mark.parametrize(
     ("scheme", "accept_hmac", "extender", "nodes", "node_secret"),
     [
