@@ -2,7 +2,7 @@
 health recovery on: a GPU that falls off the bus is tainted ``kxpu.io/device-lost`` with the effect ``dra.taints``
 gives it. Under NoExecute the device taint eviction controller (kube-controller-manager) deletes the pod holding
 it and the scheduler gives the device to no new claim; once the GPU answers again the taint is lifted and a new
-claim gets it. Under NoSchedule (an uncorrectable ECC error) the running pod stays and new claims avoid the GPU.
+claim gets it, unless an admin's DeviceTaintRule still holds it (kxpu never touches those). Under NoSchedule (an uncorrectable ECC error) the running pod stays and new claims avoid the GPU.
 What is asserted is what Kubernetes reports: the slices, the pods' events and conditions, the claims' allocation."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from e2e import dra, kube
+from e2e.cluster import NODE_NAME
 from e2e.conftest import E2E
 from kxpu.testing.fake_nvml import FAKE_NVML_CONTROL_ENV, FAKE_NVML_ENV, send_control
 
@@ -58,6 +59,30 @@ def taints_of(e2e: E2E, name: str) -> list[tuple[str, str]]:
 def pod_or_none(e2e: E2E, name: str) -> dict[str, Any] | None:
     out = e2e.cluster.kubectl("get", "pod", name, "-n", "default", "--ignore-not-found", "-o", "json")
     return json.loads(out) if out.strip() else None
+
+
+MAINTENANCE = "example.com/maintenance"
+
+
+def maintenance_rule(e2e: E2E, device: str) -> str:
+    """An admin's DeviceTaintRule (NoSchedule) on one of kxpu's devices."""
+    name = f"{e2e.label[:40]}-maintenance"
+    dra.apply(
+        e2e,
+        {
+            "apiVersion": dra.API,
+            "kind": "DeviceTaintRule",
+            "metadata": {"name": name},
+            "spec": {
+                "deviceSelector": {"driver": DRIVER, "pool": NODE_NAME, "device": device},
+                "taint": {"key": MAINTENANCE, "value": "planned", "effect": "NoSchedule"},
+            },
+        },
+    )
+    e2e.cleanups.append(
+        lambda: e2e.cluster.kubectl("delete", "devicetaintrule", name, "--ignore-not-found", check=False)
+    )
+    return name
 
 
 def failed_scheduling(e2e: E2E, pod: str) -> str | None:
@@ -129,9 +154,21 @@ def test_a_lost_gpu_under_noexecute_evicts_its_pod_and_comes_back_after_recovery
     other, elsewhere = running_on(e2e, "other", template)
     assert elsewhere != lost
 
-    # The GPU answers again: after the quiet period kxpu lifts the taint and the waiting pod gets the GPU.
+    # An admin takes the GPU out too (a DeviceTaintRule, which kxpu never touches) while it is down.
+    rule = maintenance_rule(e2e, lost)
+
+    # The GPU answers again: after the quiet period kxpu lifts its taint, and only its own.
     send_control(fake_nvml, op="restore", gpu=index)
-    kube.wait_until("the taint lifted", lambda: not taints_of(e2e, lost) or None, 60)
+    kube.wait_until("kxpu's taint lifted", lambda: not taints_of(e2e, lost) or None, 60)
+    after = dra.claim_pod(e2e, "after-recovery", REPORT, wanted)
+    message = kube.wait_until(
+        "FailedScheduling while the admin's rule stands", lambda: failed_scheduling(e2e, after.name), 60
+    )
+    assert kube.get_pod(e2e.cluster, after.name)["status"].get("phase") == "Pending", message
+    assert e2e.cluster.kubectl_json("get", "devicetaintrule", rule)["spec"]["taint"]["key"] == MAINTENANCE
+    e2e.cluster.kubectl("delete", "pod", after.name, "--wait=true", "--timeout=60s")
+    # The admin lifts the rule: the waiting pod gets the GPU.
+    e2e.cluster.kubectl("delete", "devicetaintrule", rule)
     kube.wait_pod_phase(e2e.cluster, waiting.name, "Running", timeout=120)
     assert dra.allocated_devices(dra.pod_claim(e2e.cluster, waiting.name), DRIVER) == [lost]
     assert kube.get_pod(e2e.cluster, other.name)["status"]["phase"] == "Running"
