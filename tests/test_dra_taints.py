@@ -165,7 +165,11 @@ async def test_a_fault_is_published_then_lifted_when_the_device_recovers() -> No
     await publisher.publish([sick("xid-79", "gpu-0"), devices[1]])
     (taint,) = api.pool(DRIVER, NODE)[0]["taints"]
     assert (taint["key"], taint["value"], taint["effect"]) == ("kxpu.io/device-lost", "xid-79", "NoExecute")
-    began = taint["timeAdded"]
+    began = "2026-01-01T00:00:00Z"  # as if the fault began long ago (the fake stamps whole seconds)
+    for stored in api.slices.values():
+        for device in stored["spec"]["devices"]:
+            for t in device.get("taints", []):
+                t["timeAdded"] = began
     # The probe now says gpu-lost: the same fault (same class), so it keeps the time it began.
     await publisher.publish([sick("gpu-lost", "gpu-0"), devices[1]])
     (taint,) = api.pool(DRIVER, NODE)[0]["taints"]
