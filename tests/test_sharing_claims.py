@@ -48,6 +48,9 @@ def apply_patch(obj: dict[str, Any], ops: Sequence[dict[str, Any]]) -> dict[str,
             target = target[int(part)] if isinstance(target, list) else target[part]
         if op["op"] == "remove":
             del target[last]
+        elif op["op"] == "replace":
+            assert last in target
+            target[last] = op["value"]
         elif isinstance(target, list):
             target.append(op["value"]) if last == "-" else target.insert(int(last), op["value"])
         else:
@@ -118,6 +121,19 @@ def test_pods_of_one_shape_share_one_template_and_other_pods_are_untouched() -> 
     assert a[0].name == b[0].name != c[0].name
     assert a[0].name.startswith("kxpu-gpu-")
     assert convert(pod("d", [{"cpu": 1}]), "default", FAMILIES).patch == []
+
+
+def test_a_pod_written_for_the_extender_goes_to_the_stock_scheduler() -> None:
+    p = pod("p", [{"nvidia.com/gpumem": 3000}], schedulerName="kxpu-scheduler")
+    done = convert(p, "default", FAMILIES, (), "kxpu-scheduler")
+    assert apply_patch(p, done.patch)["spec"]["schedulerName"] == "default-scheduler"
+    other = pod("p", [{"nvidia.com/gpumem": 3000}], schedulerName="my-scheduler")
+    assert (
+        apply_patch(other, convert(other, "default", FAMILIES, (), "kxpu-scheduler").patch)["spec"][
+            "schedulerName"
+        ]
+        == "my-scheduler"
+    )
 
 
 def test_requests_equal_to_limits_go_too_and_existing_claims_are_kept() -> None:
@@ -279,3 +295,19 @@ async def test_the_webhook_denies_in_one_line_what_cannot_be_converted_or_made(
     missed = await server.review("/validate", request(pod("p", [{"nvidia.com/gpumem": 1}])))
     assert missed["allowed"] is False and "did not convert this one" in missed["status"]["message"]
     assert (await server.review("/validate", request(pod("p", [{"cpu": 1}]))))["allowed"] is True
+
+
+async def test_kxpus_annotations_and_label_stay_guarded_while_pods_convert(
+    dra_server: tuple[Server, Maker],
+) -> None:
+    """Pods the extender placed keep running (and counting by their label and signed assignment) while a cluster
+    moves to DRA: the webhook in convertToClaims keeps refusing changes to them by anyone else."""
+    server, _ = dra_server
+    old = pod("p", [{"nvidia.com/gpumem": 1}])
+    old["metadata"]["labels"] = {"kxpu.io/assigned": "true"}
+    new = copy.deepcopy(old)
+    new["metadata"]["labels"] = {}
+    answer = await server.review("/validate", request(new, "UPDATE", old))
+    assert answer["allowed"] is False and "kxpu.io/assigned" in answer["status"]["message"]
+    forged = pod("f", [{"cpu": 1}], annotations={"kxpu.io/assignment": "{}"})
+    assert (await server.review("/validate", request(forged)))["allowed"] is False

@@ -33,6 +33,7 @@ API_VERSION = "resource.k8s.io/v1"
 # On every template the webhook makes: what made it (``kubectl delete resourceclaimtemplates -l`` clears them).
 CONVERTED_LABEL = "kxpu.io/converted-from"
 NUMA_ATTRIBUTE = "resource.kubernetes.io/numaNode"
+STOCK_SCHEDULER = "default-scheduler"
 _NOT_LABEL = re.compile(r"[^a-z0-9-]+")
 _HASH_LEN = 12
 
@@ -193,12 +194,18 @@ def _check_pod(pod: Mapping[str, Any], names: frozenset[str], protected: Sequenc
 
 
 def convert(
-    pod: Mapping[str, Any], namespace: str, families: Sequence[ClaimFamily], protected_env: Sequence[str] = ()
+    pod: Mapping[str, Any],
+    namespace: str,
+    families: Sequence[ClaimFamily],
+    protected_env: Sequence[str] = (),
+    extender_scheduler: str | None = None,
 ) -> Conversion:
     """The JSONPatch that turns a pod's shared-device limits into claims, and the templates those name.
 
-    An empty Conversion: the pod asks for none of ``families``. RequestError (one line): it asks for something
-    that can never be granted, or that a claim cannot express.
+    A pod naming ``extender_scheduler`` (written for the extender path) is handed to the stock kube-scheduler:
+    the extender's kube-scheduler goes once the cluster has moved. An empty Conversion: the pod asks for none of
+    ``families``. RequestError (one line): it asks for something that can never be granted, or that a claim
+    cannot express.
     """
     by_count = {f.family.count: f for f in families}
     names = frozenset(n for f in families for n in f.family.names)
@@ -243,4 +250,6 @@ def convert(
         patch += [{"op": "add", "path": "/spec/resourceClaims/-", "value": c} for c in pod_claims]
     else:
         patch.append({"op": "add", "path": "/spec/resourceClaims", "value": pod_claims})
+    if extender_scheduler and spec.get("schedulerName") == extender_scheduler:
+        patch.append({"op": "replace", "path": "/spec/schedulerName", "value": STOCK_SCHEDULER})
     return Conversion(patch, list(templates.values()))

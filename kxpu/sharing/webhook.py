@@ -320,7 +320,11 @@ def make_app(
         assert claims is not None
         try:
             done = convert(
-                review.get("object") or {}, str(review.get("namespace") or ""), claims, protected_env
+                review.get("object") or {},
+                str(review.get("namespace") or ""),
+                claims,
+                protected_env,
+                scheduler_name,
             )
         except RequestError as exc:
             log.info("denied", pod=_name(review), reason=str(exc))
@@ -359,10 +363,16 @@ def make_app(
         bad = malformed(review)
         if bad:
             return _answer("validate", started, _review(review, False, bad), "denied", "malformed"), []
-        if claims is not None:
-            reason = _unconverted(review, families)
-        else:
-            reason = validate(review, families, trusted_users, scheduler_name, protected_env, node_users)
+        # convertToClaims: a converted pod asks for no shared name any more; kxpu's annotations and label stay
+        # guarded (pods the extender placed keep running while the cluster moves, and count by them)
+        reason = (_unconverted(review, families) if claims is not None else None) or validate(
+            review,
+            families,
+            trusted_users,
+            scheduler_name if claims is None else None,
+            protected_env,
+            node_users,
+        )
         if reason:
             log.info("denied", pod=_name(review), reason=reason)
             answer = _review(review, False, reason)
