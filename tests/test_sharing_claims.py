@@ -78,18 +78,18 @@ def request_of(template: Template) -> dict[str, Any]:
             NVIDIA,
             {"nvidia.com/gpu": 2, "nvidia.com/gpumem": "4Ki", "nvidia.com/gpucores": 30},
             "gpu.nvidia.com",
-            {"memory": "4096Mi", "cores": "30"},
+            {"memory": "4Gi", "cores": "30"},  # as the API server stores it
         ),
         # 100 % of the memory is the published default: no memory request, the whole memory is consumed
         (NVIDIA, {"nvidia.com/gpumem-percentage": 100, "nvidia.com/gpucores": 50}, "gpu.nvidia.com", {"cores": "50"}),
         # only a count: the whole device, exclusive (the extender's gpucores=100)
         (NVIDIA, {"nvidia.com/gpu": 1}, "gpu.nvidia.com", None),
         (HYGON, {"hygon.com/dcunum": 1, "hygon.com/dcumem": 2048, "hygon.com/dcucores": 25}, "dcunum.hygon.com",
-         {"memory": "2048Mi", "cores": "25"}),
+         {"memory": "2Gi", "cores": "25"}),
         (ASCEND, {"huawei.com/Ascend910B3": 1, "huawei.com/Ascend910B3-memory": 16384,
-                  "huawei.com/Ascend910B3-core": 25}, "ascend910b3.huawei.com", {"memory": "16384Mi", "cores": "25"}),
+                  "huawei.com/Ascend910B3-core": 25}, "ascend910b3.huawei.com", {"memory": "16Gi", "cores": "25"}),
         (CAMBRICON, {"cambricon.com/mlu.smlu.vmemory": 8192, "cambricon.com/mlu.smlu.vcore": 40}, "vmlu.cambricon.com",
-         {"memory": "8192Mi", "cores": "40"}),
+         {"memory": "8Gi", "cores": "40"}),
     ],
 )  # fmt: skip
 def test_each_vendors_names_become_a_capacity_claim(

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kxpu.dra.slices import binary_quantity
 from kxpu.sharing.model import ContainerRequest, DeviceFilter, PodRequest
 from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod
 
@@ -120,7 +121,7 @@ def claim_spec(
 ) -> dict[str, Any]:
     """The ResourceClaim spec of one container's share of one family.
 
-    Memory in MiB becomes ``<n>Mi`` per device; 100 % of the memory (the default when a container names none)
+    Memory in MiB becomes a byte quantity per device (``3000Mi``, ``4Gi``); 100 % of the memory (the default when a container names none)
     is no memory request, so the claim consumes the published default, the whole memory. Cores are always named
     (``"0"``: no compute limit, best-effort time-sharing, as on the extender path). Only a count is the whole
     device: no capacity request at all, exclusive. Other percentages cannot be written as a capacity request
@@ -132,7 +133,8 @@ def claim_spec(
         container.memory_mib is None and container.memory_percentage == 100 and container.cores == 100
     )
     if container.memory_mib is not None:
-        requests["memory"] = f"{container.memory_mib}Mi"
+        # as the API server stores it (4096 MiB comes back as 4Gi): a template made again compares equal
+        requests["memory"] = binary_quantity(container.memory_mib * 2**20)
     elif container.memory_percentage != 100:
         raise RequestError(
             f"container {container.container!r}: {family.memory_percentage} {container.memory_percentage} cannot "

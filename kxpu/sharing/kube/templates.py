@@ -38,6 +38,15 @@ def _load() -> Any:
         return _lk
 
 
+def _holds(stored: Any, wanted: Any) -> bool:
+    """Whether the API server's copy has every field kxpu wrote, with its value (it may add defaults)."""
+    if isinstance(wanted, dict):
+        return isinstance(stored, dict) and all(_holds(stored.get(k), v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(stored, list) and len(stored) == len(wanted) and all(map(_holds, stored, wanted))
+    return bool(stored == wanted)
+
+
 class TemplateError(Exception):
     """A template could not be made: one line, naming it and why."""
 
@@ -75,7 +84,7 @@ class TemplateStore:
                 existing = await client.get(kind, template.name, namespace=template.namespace)
             except Exception as exc:
                 raise TemplateError(f"cannot read {where}: {error_text(exc)}") from None
-            if (existing.get("spec") or {}).get("spec") != template.spec:
+            if not _holds((existing.get("spec") or {}).get("spec"), template.spec):
                 raise TemplateError(
                     f"{where} exists with another spec (kxpu names its templates after their spec): delete it"
                 )
