@@ -620,6 +620,7 @@ def webhook(
             metrics_address,
             config.protected_env,
             config.node_users,
+            config.claim_families() if config.convert_to_claims else None,
         ),
     )
 

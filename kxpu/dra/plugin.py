@@ -52,6 +52,8 @@ from kxpu.model import Backend, Partitioner
 from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
+# kxpu's IDs of the parts of one device the device plugin hands out (sharing slots, replicas, shares)
+SUB_DEVICE_SEPARATOR = "::"
 log = get_logger("kxpu.dra.plugin")
 
 RESYNC_SECONDS = 30.0
@@ -332,7 +334,13 @@ class DraPlugin:
                 held=sorted(self.held),
             )
             return False
-        held = frozenset(device for (resource, device) in placed if resource == self.resource)
+        # A slot of kxpu's sharing, a time-slicing replica or a generic share is ``<device>::<n>``: a pod holding
+        # one holds part of that device (an extender-shared pod while the node moves to DRA shares).
+        held = frozenset(
+            device.split(SUB_DEVICE_SEPARATOR, 1)[0]
+            for (resource, device) in placed
+            if resource == self.resource
+        )
         if held == self.held:
             return False
         if held or self.held:

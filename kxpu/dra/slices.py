@@ -200,9 +200,11 @@ def shared_capacity(device: Device, policy: SharePolicy) -> dict[str, dict[str, 
             },
         }
     cores = policy.core_capacity()
+    # min 0: a share may take no compute (best-effort time-sharing, no SM limit), as the extender path's
+    # gpucores default; a request below min would be raised to it and limit the container to 1 %
     capacity["cores"] = {
         "value": str(cores),
-        "requestPolicy": {"default": str(cores), "validRange": {"min": "1", "max": str(cores), "step": "1"}},
+        "requestPolicy": {"default": str(cores), "validRange": {"min": "0", "max": str(cores), "step": "1"}},
     }
     return capacity
 
