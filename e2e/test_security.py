@@ -165,7 +165,7 @@ FAULTY_DEVICES = [
 
 
 def lock_lease(node: str) -> dict[str, Any]:
-    """A node lock Lease as the extender makes it (kxpu.sharing.kube.lease)."""
+    """A node lock Lease as the extender makes it (kxpu.kube.sharing.lease)."""
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",

@@ -44,7 +44,7 @@ def _build(resource: ResourceConfig) -> Backend:
             backend, resource.name, resource.cdi_kind, resource.cdi.spec_dir, resource.cdi.annotations
         )
     if resource.sharing is not None:  # outermost: slots over the (CDI-wrapped) physical devices
-        from kxpu.sharing.kube.node import KubeNodeLink
+        from kxpu.kube.sharing.node import KubeNodeLink
         from kxpu.sharing.node import SharingBackend
 
         sharing = resource.sharing
@@ -248,8 +248,8 @@ def _dra(
 ) -> Any:
     """The DRA half of a resource: its API client and the kubelet directories of the running config."""
     from kxpu.dra.claim_cache import ClaimCache
-    from kxpu.dra.kube import DraKube
     from kxpu.dra.plugin import DraPlugin
+    from kxpu.kube.dra import DraKube
 
     node = resource.dra.node_name or os.environ.get("NODE_NAME", "")
     if not node:  # checked at start; a reload may bring a DRA resource without one
@@ -286,9 +286,9 @@ def _leftovers(config: Config, node: str) -> Any:
     def make(driver: str, resource: ResourceConfig | None) -> Any:
         from kxpu.daemon.snapshot import DeviceSnapshot
         from kxpu.dra.config import DraConfig
-        from kxpu.dra.kube import DraKube
         from kxpu.dra.leftover import NoDevices
         from kxpu.dra.plugin import DraPlugin
+        from kxpu.kube.dra import DraKube
 
         settings = resource.dra if resource is not None else DraConfig()
         kube = DraKube(driver)
@@ -465,15 +465,12 @@ def _check_address(option: str, address: str) -> None:
 
 
 def _cluster_status(kubeconfig: Path | None, only: frozenset[str], output: str) -> None:
-    from lightkube import AsyncClient, ConfigError, KubeConfig
-
-    from kxpu.kube.client import FIELD_MANAGER
+    from kxpu.kube.client import ACCESS_ERRORS, make_client
     from kxpu.status import fetch_cluster_status, format_cluster_table
 
     try:
-        config = KubeConfig.from_file(kubeconfig) if kubeconfig else None
-        client = AsyncClient(config=config, field_manager=FIELD_MANAGER)
-    except (ConfigError, OSError) as exc:
+        client = make_client(kubeconfig)
+    except ACCESS_ERRORS as exc:
         _fail(f"no access to the API server: {exc}")
     try:
         result = asyncio.run(fetch_cluster_status(client, only))
@@ -490,11 +487,11 @@ def _check_api_access() -> None:
     """Exit 2 on one line when there is no way to reach the API server at all (no service account, no
     kubeconfig), as ``kxpu status --cluster`` does; an API server that does not answer is the server's
     own one-line failure (exit 1)."""
-    from lightkube import ConfigError, KubeConfig
+    from kxpu.kube.client import ACCESS_ERRORS, check_access
 
     try:
-        KubeConfig.from_env()
-    except (ConfigError, OSError) as exc:
+        check_access()
+    except ACCESS_ERRORS as exc:
         _fail(
             f"no access to the API server: {exc}; run it in a pod with a service account, or set KUBECONFIG"
         )
@@ -623,6 +620,7 @@ def webhook(
             metrics_address,
             config.protected_env,
             config.node_users,
+            config.claim_families() if config.convert_to_claims else None,
         ),
     )
 

@@ -26,6 +26,8 @@ QUOTED = [
     ("kxpu/dra/plugin.py", "publishing ResourceSlices failed; retrying"),
     ("kxpu/dra/plugin.py", "the kubelet refused the registration"),
     ("kxpu/dra/checkpoint.py", "DRA checkpoint unusable; starting with no prepared claims"),
+    ("kxpu/sharing/webhook.py", "(the pod was not admitted: retry)"),
+    ("kxpu/sharing/claims.py", "become a DRA claim (capacity requests are absolute, in MiB): ask for"),
 ]
 
 

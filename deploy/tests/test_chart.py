@@ -653,6 +653,28 @@ def test_webhook_configurations(sharing: Rendered, kind: str) -> None:
         ]
 
 
+def test_convert_to_claims_lets_the_webhook_make_claim_templates_only(helm: Path) -> None:
+    """webhook.convertToClaims (the DRA path): the control plane says so, the webhook gets a token and may create
+    and get ResourceClaimTemplates (nothing else), and its mutating registration declares NoneOnDryRun."""
+    off = template(helm, "--values", str(SHARING_VALUES))
+    assert "convertToClaims" not in yaml.safe_load(
+        off.one("ConfigMap", "kxpu-sharing")["data"]["control-plane.yaml"]
+    )
+    on = template(helm, "--values", str(SHARING_VALUES), "--set", "webhook.convertToClaims=true")
+    config = yaml.safe_load(on.one("ConfigMap", "kxpu-sharing")["data"]["control-plane.yaml"])
+    assert config["convertToClaims"] is True
+    assert on.one("ServiceAccount", "kxpu-webhook")["automountServiceAccountToken"] is True
+    pod = on.one("Deployment", "kxpu-webhook")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert sorted(bound_roles(on, "kxpu-webhook")) == ["ClusterRole/kxpu-webhook-claim-templates"]
+    assert rules(on.one("ClusterRole", "kxpu-webhook-claim-templates")) == [
+        ("resource.k8s.io", "resourceclaimtemplates", (), ("create", "get"))
+    ]
+    assert on.one("MutatingWebhookConfiguration")["webhooks"][0]["sideEffects"] == "NoneOnDryRun"
+    assert on.one("ValidatingWebhookConfiguration")["webhooks"][0]["sideEffects"] == "None"
+    assert off.one("MutatingWebhookConfiguration")["webhooks"][0]["sideEffects"] == "None"
+
+
 def test_webhook_runs_two_replicas_with_a_disruption_budget(sharing: Rendered, helm: Path) -> None:
     assert chart_values()["webhook"]["replicas"] == 2
     pdb = sharing.one("PodDisruptionBudget", "kxpu-webhook")

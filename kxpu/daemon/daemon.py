@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from kxpu.backoff import Backoff
 from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
-from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.http import Authorizer, HealthServer
 from kxpu.daemon.kubelet_wait import warn_while_no_kubelet
 from kxpu.daemon.registration import file_identity

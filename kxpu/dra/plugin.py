@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 
 from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from kxpu.daemon.backoff import Backoff
+from kxpu.backoff import Backoff
 from kxpu.daemon.holders import HolderError, list_pod_resources
 from kxpu.daemon.registration import FileIdentity, file_identity
 from kxpu.daemon.serving import stop_server
@@ -46,11 +46,14 @@ from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
 from kxpu.dra.slices import SharePolicy
 from kxpu.fswatch import directory_changes
+from kxpu.kube.watch import keep_watching
 from kxpu.logs import error_text, get_logger
 from kxpu.model import Backend, Partitioner
 from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
+# kxpu's IDs of the parts of one device the device plugin hands out (sharing slots, replicas, shares)
+SUB_DEVICE_SEPARATOR = "::"
 log = get_logger("kxpu.dra.plugin")
 
 RESYNC_SECONDS = 30.0
@@ -334,7 +337,13 @@ class DraPlugin:
                 held=sorted(self.held),
             )
             return False
-        held = frozenset(device for (resource, device) in placed if resource == self.resource)
+        # A slot of kxpu's sharing, a time-slicing replica or a generic share is ``<device>::<n>``: a pod holding
+        # one holds part of that device (an extender-shared pod while the node moves to DRA shares).
+        held = frozenset(
+            device.split(SUB_DEVICE_SEPARATOR, 1)[0]
+            for (resource, device) in placed
+            if resource == self.resource
+        )
         if held == self.held:
             return False
         if held or self.held:
@@ -355,23 +364,18 @@ class DraPlugin:
         """Wake the publisher whenever the API's slices of this driver and node stop being what it wrote:
         deleted by a starting kubelet (it wipes the node's slices), by the kubelet 30 s after losing this
         driver, by an admin, or by the garbage collector with a Node created again."""
-        backoff = Backoff(initial=0.5, maximum=30.0)
-        while True:
-            try:
-                async for kind, obj in self.slice_api.watch_slices(self.driver, self.node):
-                    backoff.reset()
-                    if not self.publisher.is_current(kind, obj):
-                        self._republish.set()
-                delay = 1.0  # the watch ended without an error: start another (and check meanwhile)
-            except Exception as exc:  # the API server's answer or the connection's failure: retried
-                delay = backoff.next_delay()
-                self.log.warning(
-                    "watching ResourceSlices failed; retrying",
-                    error=error_text(exc),
-                    retry_in_s=round(delay, 2),
-                )
-            self._republish.set()
-            await asyncio.sleep(delay)
+
+        async def watch_round(delivered: Callable[[], None]) -> None:
+            async for kind, obj in self.slice_api.watch_slices(self.driver, self.node):
+                delivered()
+                if not self.publisher.is_current(kind, obj):
+                    self._republish.set()
+
+        def failed(error: str, retry_in_s: float) -> None:
+            self.log.warning("watching ResourceSlices failed; retrying", error=error, retry_in_s=retry_in_s)
+
+        # A watch that ended without an error starts again after a second (the publisher checks meanwhile).
+        await keep_watching(watch_round, failed, after=self._republish.set, pause_s=1.0)
 
     async def _publish_loop(self) -> None:
         backoff = Backoff(initial=0.2, maximum=30.0)

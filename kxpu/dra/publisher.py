@@ -34,7 +34,7 @@ MAX_NAME = 253
 
 
 class SliceApi(Protocol):
-    """The ResourceSlice calls the publisher makes (``kxpu.dra.kube.DraKube`` against the API server)."""
+    """The ResourceSlice calls the publisher makes (``kxpu.kube.dra.DraKube`` against the API server)."""
 
     async def node_uid(self, node: str) -> str: ...
 

@@ -7,7 +7,8 @@ with typed attributes the scheduler's CEL selectors read, and capacities:
 |---|---|
 | ``id`` (string) | the kxpu device ID, as the device plugin would name it |
 | ``model``, ``uuid`` (string), ``index`` (int) | the backend's ``Device`` |
-| ``resource.kubernetes.io/numaNode`` (int), ``resource.kubernetes.io/pciBusID`` (string) | standard names |
+| ``resource.kubernetes.io/numaNode`` (int), ``resource.kubernetes.io/pciBusID`` (string, ``0000:07:00.0``), ``resource.kubernetes.io/pcieRoot`` (string, ``pci0000:00``) | standard names (``k8s.io/dynamic-resource-allocation/deviceattribute``) |
+| ``linkDomain`` (string) | devices joined by NVLink / xGMI / HCCS share it (``matchAttribute``) |
 | each ``Device.extra`` key, camelCased (int, bool, string; a ``…Version`` that is semver → version) | vendor facts |
 | capacity ``memory`` (bytes, written in Mi), ``cores`` | ``memory_mib``, ``cores`` |
 
@@ -28,7 +29,7 @@ from typing import Any, Literal
 from kxpu.dra.names import device_name
 from kxpu.dra.taints import TAINT_KEYS, TaintPolicy
 from kxpu.logs import get_logger
-from kxpu.model import CounterSet, Device, FaultClass
+from kxpu.model import MAX_NUMA_NODE, CounterSet, Device, FaultClass, pci_address
 
 log = get_logger("kxpu.dra.slices")
 
@@ -43,6 +44,11 @@ DEFAULT_TAINTS = TaintPolicy()  # every fault NoSchedule
 # Still held by a pod that got it through the device plugin (a node moving from the device plugin to DRA).
 HELD_TAINT_KEY = "kxpu.io/held-by-device-plugin"
 INT64_MAX = 2**63 - 1
+# Kubernetes' standard attributes (k8s.io/dynamic-resource-allocation/deviceattribute).
+NUMA_NODE = "resource.kubernetes.io/numaNode"
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+_PCIE_ROOT = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 
 Unhealthy = Literal["taint", "withdraw"]
 
@@ -131,10 +137,15 @@ def device_attributes(device: Device) -> dict[str, dict[str, Any]]:
         attrs["uuid"] = {"string": device.uuid[:MAX_STRING_VALUE]}
     if device.index is not None:
         attrs["index"] = {"int": device.index}
-    if device.numa_nodes:
-        attrs["resource.kubernetes.io/numaNode"] = {"int": device.numa_nodes[0]}
-    if device.pci_bus_id:
-        attrs["resource.kubernetes.io/pciBusID"] = {"string": device.pci_bus_id}
+    if device.numa_nodes and 0 <= device.numa_nodes[0] <= MAX_NUMA_NODE:
+        attrs[NUMA_NODE] = {"int": device.numa_nodes[0]}
+    bus_id = pci_address(device.pci_bus_id)  # NVML's 8-digit domain is not the standard form
+    if bus_id:
+        attrs[PCI_BUS_ID] = {"string": bus_id}
+    if device.pcie_root and _PCIE_ROOT.match(device.pcie_root):
+        attrs[PCIE_ROOT] = {"string": device.pcie_root}
+    if device.link_domain and len(device.link_domain) <= MAX_STRING_VALUE:
+        attrs["linkDomain"] = {"string": device.link_domain}
     for key in sorted(device.extra):
         name = camel(key)
         if name in attrs or not _C_IDENTIFIER.match(name) or len(name) > MAX_IDENTIFIER:
@@ -185,9 +196,11 @@ def shared_capacity(device: Device, policy: SharePolicy) -> dict[str, dict[str, 
             },
         }
     cores = policy.core_capacity()
+    # min 0: a share may take no compute (best-effort time-sharing, no SM limit), as the extender path's
+    # gpucores default; a request below min would be raised to it and limit the container to 1 %
     capacity["cores"] = {
         "value": str(cores),
-        "requestPolicy": {"default": str(cores), "validRange": {"min": "1", "max": str(cores), "step": "1"}},
+        "requestPolicy": {"default": str(cores), "validRange": {"min": "0", "max": str(cores), "step": "1"}},
     }
     return capacity
 

@@ -30,6 +30,7 @@ from kxpu.model.device import (
     InvalidDeviceError,
     check_device_id,
     index_by_id,
+    pci_address,
 )
 from kxpu.model.edits import ContainerEdits, DeviceNode, Mount
 from kxpu.model.faults import FaultClass, fault_class
@@ -86,5 +87,6 @@ __all__ = [
     "find_capability",
     "index_by_id",
     "numa_packed",
+    "pci_address",
     "share_limit_env",
 ]
