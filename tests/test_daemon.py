@@ -333,8 +333,9 @@ async def test_a_second_daemon_stands_by_and_takes_over(
     await kubelet.wait_registered(NPU)
     second = await daemons(config)
     await wait_until(lambda: "standing by" in second.log_text(), what="the second daemon to stand by")
+    # Ready while standing by: a DaemonSet rolled with maxSurge removes the old pod only once the new one is Ready.
     status, body = await second.http_get("/readyz")
-    assert status == 503 and json.loads(body)["resources"] == {NPU: "standby"}
+    assert status == 200 and json.loads(body)["resources"] == {NPU: "standby"}
     assert sum(r == NPU for _, r in kubelet.registrations) == 1  # no fight over the socket
 
     assert await first.stop() == 0  # a rolling update: the old pod goes, the new one takes over
