@@ -151,7 +151,7 @@ class Checkpoint:
         # Another process of this driver (a rolling update's other pod) may change the file between our calls:
         # each call takes this lock and reloads what changed (kxpu.dra.instances).
         self.lock = HostLock(path.with_name(f"{path.name}.lock"))
-        self._seen: tuple[int, int, int] | None = (
+        self._seen: tuple[int, int, int, int] | None = (
             None  # the file as last loaded or written (inode, mtime, size)
         )
 
