@@ -628,6 +628,25 @@ def test_webhook_deployment_and_tls(sharing: Rendered) -> None:
     assert svc["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
 
 
+def test_webhook_rolls_without_a_moment_unanswered(sharing: Rendered, helm: Path) -> None:
+    """helm upgrade (e2e/test_helm_upgrade.py): a replica goes only once its successor is Ready, and a terminating
+    one keeps answering while the API server's route to it goes (preStop), within its grace period."""
+    deploy = sharing.one("Deployment", "kxpu-webhook")
+    assert deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+    assert pod["terminationGracePeriodSeconds"] == 15
+    assert sharing.one("PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    at_once = template(helm, "-f", str(SHARING_VALUES), "--set", "webhook.drainSeconds=0")
+    assert (
+        "lifecycle"
+        not in at_once.one("Deployment", "kxpu-webhook")["spec"]["template"]["spec"]["containers"][0]
+    )
+
+
 @pytest.mark.parametrize("kind", ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"])
 def test_webhook_configurations(sharing: Rendered, kind: str) -> None:
     (hook,) = sharing.one(kind)["webhooks"]
