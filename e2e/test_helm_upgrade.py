@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import shutil
 import subprocess
 import threading
 import time
@@ -106,10 +107,11 @@ def started_mark(cluster: Cluster, pod: str) -> str:
 
 
 def warnings(cluster: Cluster, pod: str, namespace: str = "default") -> list[str]:
+    """The pod's Warning events but the scheduler's (a pod waits for its claim to be made and allocated)."""
     return [
         f"{e.get('reason')}: {e.get('message')}"
         for e in kube.events_for(cluster, pod, namespace)
-        if e.get("type") == "Warning"
+        if e.get("type") == "Warning" and e.get("reason") != "FailedScheduling"
     ]
 
 
@@ -119,11 +121,16 @@ def node_release(e2e: E2E) -> Iterator[tuple[Cluster, str, str]]:
     upgrade's); afterwards the test's pods deleted while the daemon still runs (their claims need it), then the
     release, its namespace, the driver's slices and the second tag."""
     cluster = e2e.cluster
+    if shutil.which("iptables") is None:
+        pytest.skip("iptables not found: the daemon's API access needs a NAT rule (there is no kube-proxy)")
     ref = image_ref(ARCHIVE)
     cluster.ctr("images", "import", str(ARCHIVE))
     repository, _, tag = ref.rpartition(":")
     next_ref = f"{repository}:{tag}-upgrade"
     cluster.ctr("images", "tag", "--force", ref, next_ref)
+    routes = ServiceRoutes()  # kube-proxy's part: the daemon (DRA: slices, claims) reaches the API server
+    e2e.cleanups.append(routes.close)
+    routes.api_server_for_pods()
     dra_resource = simulated(count=4, name=DRA_RES)
     dra_resource["simulated"]["env"] = {"UPG_DEVICES": "{ids}"}
     config = {
