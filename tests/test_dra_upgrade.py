@@ -6,6 +6,7 @@ shared without a fight (kxpu.dra.instances). Real gRPC over unix sockets, the ku
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import tempfile
 import uuid
@@ -239,3 +240,28 @@ def test_a_lock_held_elsewhere_is_refused_and_freed_with_its_holder(tmp_path: Pa
     first.release()
     assert second.try_acquire()
     second.release()
+
+
+def test_kxpu_plugin_refuses_a_pod_uid_that_cannot_name_a_socket_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from kxpu.cli import main
+
+    config = tmp_path / "config.yaml"
+    doc = {
+        "version": "v1",
+        "kubeletPluginsDir": str(tmp_path / "p"),
+        "pluginsRegistryDir": str(tmp_path / "r"),
+        "resources": [{"name": NPU, "simulated": {"count": 1}, "serve": "dra"}],
+    }
+    config.write_text(json.dumps(doc))  # JSON is YAML
+    monkeypatch.setenv("NODE_NAME", NODE)
+    monkeypatch.setenv("POD_UID", "../escape")
+    result = CliRunner().invoke(main, ["plugin", "--config", str(config), "--http-address", ""])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "kxpu: error: instance '../escape' (POD_UID) cannot name a socket: use the pod's UID (downward API "
+        "metadata.uid), letters, digits and '-', at most 64 characters"
+    ]
