@@ -107,11 +107,12 @@ def started_mark(cluster: Cluster, pod: str) -> str:
 
 
 def warnings(cluster: Cluster, pod: str, namespace: str = "default") -> list[str]:
-    """The pod's Warning events but the scheduler's (a pod waits for its claim to be made and allocated)."""
+    """The pod's Warning events but the scheduler's (a pod waits for its claim to be made and allocated) and the
+    kubelet's about this cluster's missing DNS."""
     return [
         f"{e.get('reason')}: {e.get('message')}"
         for e in kube.events_for(cluster, pod, namespace)
-        if e.get("type") == "Warning" and e.get("reason") != "FailedScheduling"
+        if e.get("type") == "Warning" and e.get("reason") not in ("FailedScheduling", "MissingClusterDNS")
     ]
 
 
@@ -339,7 +340,9 @@ def components_rolled(cluster: Cluster, ref: str) -> bool:
     counts = {"scheduler": 1, "webhook": 2, "plugin": 1}
     for component, count in counts.items():
         mine = [p for p in pods if p["metadata"]["labels"].get("app.kubernetes.io/component") == component]
-        if len(mine) != count or not all(ready(p) and image(p) == ref for p in mine):
+        if len(mine) != count or not all(
+            ready(p) and ref in [c["image"] for c in p["spec"]["containers"]] for p in mine
+        ):
             return False
     return len(pods) == sum(counts.values())
 
