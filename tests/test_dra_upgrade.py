@@ -136,6 +136,10 @@ async def test_surge_update_two_processes_serve_share_claims_and_hand_over_slice
     assert registration_socket(node.registry, DRIVER, old_uid).is_socket()
     await eventually(lambda: new.ready)
     assert old.publishing and not new.publishing
+    assert (old.describe()["publishing"], new.describe()["instance"]) == (
+        True,
+        new_uid,
+    )  # kxpu status shows it
     await asyncio.sleep(0.3)
     assert node.api.writes == writes  # the waiting process wrote no slice
 

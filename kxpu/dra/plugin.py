@@ -482,6 +482,9 @@ class DraPlugin:
             "driver": self.driver,
             "pool": self.node,
             "registered": self.registered,
+            # A rolling update's two pods: which one writes the slices (the other waits for it to exit).
+            "publishing": self.publishing,
+            **({"instance": self.instance} if self.instance is not None else {}),
             "generation": self.publisher.generation,
             "claims": {
                 uid: {
