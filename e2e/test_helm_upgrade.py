@@ -189,6 +189,9 @@ def test_helm_upgrade_rolls_the_node_daemon_without_disturbing_pods_devices_or_s
         kube.wait_pod_log(cluster, spec.name, "end-of-report")
         held[spec.name] = (kube.container_state(pod), started_mark(cluster, spec.name))
     held_claim = dra.pod_claim(cluster, dra_held.name)
+    # What the pod's start already logged (the kubelet may read the claim before the API server's node authorizer
+    # knows it is this node's, and retries): only what the upgrade adds is asserted below.
+    started_warnings = warnings(cluster, dra_held.name)
     slices_before = {s["metadata"]["name"]: (s["metadata"]["uid"], s["spec"]["pool"]["generation"])
                      for s in dra.slices(cluster, DRIVER)}  # fmt: skip
 
@@ -278,7 +281,8 @@ def test_helm_upgrade_rolls_the_node_daemon_without_disturbing_pods_devices_or_s
         30,
     )
     assert not list(CDI.glob(f"*{uid}*"))
-    assert not warnings(cluster, dra_held.name)
+    added = [w for w in warnings(cluster, dra_held.name) if w not in started_warnings]
+    assert not added, added
 
 
 # -- sharing ----------------------------------------------------------------------------------------------------------
