@@ -118,7 +118,6 @@ def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert pod["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
     assert host_paths(ds) == HOST_PATHS
     # The runtime cannot create /dev/termination-log in the host's read-only /dev.
     assert c["terminationMessagePath"].startswith("/tmp/")
@@ -135,6 +134,35 @@ def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
             }
         }
     }
+
+
+POD_UID = {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+
+
+def test_daemonset_rolls_with_surge_and_names_sockets_after_the_pod(default: Rendered, helm: Path) -> None:
+    """Zero-downtime upgrades (docs/dra.md, "Upgrades"): the new pod starts beside the old one, which goes only
+    once the new one is Ready; the DRA sockets are named after the pod's UID, so the kubelet registers both."""
+    for rendered in (default, template(helm, "-f", str(DRA_VALUES))):
+        for ds in rendered.kinds("DaemonSet"):
+            assert ds["spec"]["updateStrategy"] == {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            }
+            c = container(ds)
+            assert POD_UID in c["env"]
+            # No host port or host network: two pods of the DaemonSet fit on one node.
+            assert all("hostPort" not in port for port in c["ports"])
+            assert not ds["spec"]["template"]["spec"].get("hostNetwork", False)
+    ds = template(helm, "-f", str(DRA_VALUES)).kinds("DaemonSet")[0]
+    mounts = {m["name"]: m["mountPath"] for m in container(ds)["volumeMounts"]}
+    # Both pods see the same driver directory (its checkpoint and locks) and registry (each one's socket).
+    assert mounts["kubelet-plugins"] == "/var/lib/kubelet/plugins"
+    assert mounts["plugins-registry"] == "/var/lib/kubelet/plugins_registry"
+    stop_first = template(
+        helm, "--set", "plugin.updateStrategy.rollingUpdate.maxSurge=0", "--set",
+        "plugin.updateStrategy.rollingUpdate.maxUnavailable=1",
+    ).one("DaemonSet")  # fmt: skip
+    assert stop_first["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
 
 
 def test_config_is_the_values_config(default: Rendered) -> None:
@@ -279,7 +307,7 @@ def test_override_pod_settings(overrides: Rendered) -> None:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    assert c["env"] == [{"name": "PYTHONPATH", "value": "/opt/acme"}]  # no API access: no NODE_NAME either
+    assert c["env"] == [POD_UID, {"name": "PYTHONPATH", "value": "/opt/acme"}]  # no API access: no NODE_NAME
     assert ds["spec"]["template"]["metadata"]["annotations"]["example.com/team"] == "accel"
     assert pod["automountServiceAccountToken"] is False
 
@@ -598,6 +626,25 @@ def test_webhook_deployment_and_tls(sharing: Rendered) -> None:
     svc = sharing.one("Service", "kxpu-webhook")
     assert {"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"} in svc["spec"]["ports"]
     assert svc["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_webhook_rolls_without_a_moment_unanswered(sharing: Rendered, helm: Path) -> None:
+    """helm upgrade (e2e/test_helm_upgrade.py): a replica goes only once its successor is Ready, and a terminating
+    one keeps answering while the API server's route to it goes (preStop), within its grace period."""
+    deploy = sharing.one("Deployment", "kxpu-webhook")
+    assert deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+    assert pod["terminationGracePeriodSeconds"] == 15
+    assert sharing.one("PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    at_once = template(helm, "-f", str(SHARING_VALUES), "--set", "webhook.drainSeconds=0")
+    assert (
+        "lifecycle"
+        not in at_once.one("Deployment", "kxpu-webhook")["spec"]["template"]["spec"]["containers"][0]
+    )
 
 
 @pytest.mark.parametrize("kind", ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"])

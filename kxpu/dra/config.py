@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -18,17 +19,45 @@ DEFAULT_PLUGINS_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
 
 
-def dra_socket(plugins_dir: Path, driver: str) -> Path:
-    return plugins_dir / driver / "dra.sock"
+# A DaemonSet rolled with maxSurge runs two pods of the driver on a node at once: each serves sockets of its own
+# (named after its pod UID, the downward API's metadata.uid), the kubelet registers both and calls the newest
+# (the seamless-upgrade protocol of the kubelet's plugin manager, Kubernetes 1.33+). Without an instance the
+# sockets have the fixed names and a second process stands by.
+_INSTANCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
 
 
-def registration_socket(registry_dir: Path, driver: str) -> Path:
-    return registry_dir / f"{driver}-reg.sock"
+def check_instance(instance: str) -> str:
+    """A pod UID (or any short name) that can go into socket names."""
+    if not _INSTANCE.fullmatch(instance):
+        raise ValueError(
+            f"instance {instance!r} (POD_UID) cannot name a socket: use the pod's UID (downward API metadata.uid), "
+            "letters, digits and '-', at most 64 characters"
+        )
+    return instance
 
 
-def check_dra_socket_paths(plugins_dir: Path, registry_dir: Path, driver: str) -> None:
+def dra_socket(plugins_dir: Path, driver: str, instance: str | None = None) -> Path:
+    return plugins_dir / driver / ("dra.sock" if instance is None else f"dra-{instance}.sock")
+
+
+def registration_socket(registry_dir: Path, driver: str, instance: str | None = None) -> Path:
+    return registry_dir / (f"{driver}-reg.sock" if instance is None else f"{driver}-{instance}-reg.sock")
+
+
+def driver_sockets(plugins_dir: Path, driver: str) -> list[Path]:
+    """The DRA service sockets of every instance of ``driver`` (the fixed name and the per-pod ones)."""
+    directory = plugins_dir / driver
+    return [directory / "dra.sock", *sorted(directory.glob("dra-*.sock"))]
+
+
+def check_dra_socket_paths(
+    plugins_dir: Path, registry_dir: Path, driver: str, instance: str | None = None
+) -> None:
     """Refuse at load what bind() would refuse at serve time."""
-    for path in (dra_socket(plugins_dir, driver), registration_socket(registry_dir, driver)):
+    for path in (
+        dra_socket(plugins_dir, driver, instance),
+        registration_socket(registry_dir, driver, instance),
+    ):
         size = len(str(path).encode())
         if size > MAX_SOCKET_PATH:
             raise ValueError(

@@ -166,7 +166,11 @@ class Preparer:
         fetched = await self._fetch([r for r in refs if not self._known(r)])
         results: dict[str, Prepared] = {}
         failed: list[tuple[ClaimRef, str]] = []
-        async with self._lock:
+        async with self._lock, self.checkpoint.exclusive():
+            # Known when looked at, gone since: another process of this driver (kxpu.dra.instances) unprepared it.
+            missing = [r for r in refs if r.uid not in fetched and not self._known(r)]
+            if missing:
+                fetched.update(await self._fetch(missing))
             for ref in refs:
                 started = time.perf_counter()
                 try:
@@ -449,7 +453,7 @@ class Preparer:
         """Destroy the partitions no prepared claim owns that a crash left in the hardware (each recorded in
         ``making`` before it was made; nothing else is touched), and release the ``unreleased`` handles; one
         log line names what was reclaimed. Returns it. Called at start, before serving."""
-        async with self._lock:
+        async with self._lock, self.checkpoint.exclusive():
             return await self._reconcile_locked()
 
     async def _reconcile_locked(self) -> list[str]:
@@ -727,7 +731,7 @@ class Preparer:
 
     # -- unprepare --------------------------------------------------------------------------------------
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
-        async with self._lock:
+        async with self._lock, self.checkpoint.exclusive():
             return await self._unprepare_locked(refs)
 
     async def _unprepare_locked(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
