@@ -186,6 +186,18 @@ def plugin(
     for resource in config.resources:
         if resource.serve == "dra" and not (resource.dra.node_name or node):
             _fail(f"{resource.name}: serving through DRA needs the node name (dra.nodeName or $NODE_NAME)")
+    if _pod_uid() is not None:
+        from kxpu.dra.config import check_dra_socket_paths, check_instance
+
+        try:
+            instance = check_instance(_pod_uid() or "")
+            for resource in config.resources:
+                if resource.serve == "dra":
+                    check_dra_socket_paths(
+                        config.kubelet_plugins_dir, config.plugins_registry_dir, resource.dra_driver, instance
+                    )
+        except ValueError as exc:
+            _fail(str(exc))
 
     def reload() -> Config:
         return load_config(config_path, device_plugin_dir)
@@ -243,6 +255,12 @@ def _http_authorizer() -> Any:
     return ReviewAuthorizer(client)
 
 
+def _pod_uid() -> str | None:
+    """$POD_UID (the chart sets it from the downward API): the DRA sockets are this pod's own, so that a rolling
+    update's new pod serves beside the old one (kxpu.dra.instances); unset, the fixed names."""
+    return os.environ.get("POD_UID") or None
+
+
 def _dra(
     daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any, leftovers: Any = None
 ) -> Any:
@@ -272,6 +290,7 @@ def _dra(
         config.pod_resources_socket,
         close=kube.close,
         claim_cache=ClaimCache(resource.dra_driver, node, kube) if resource.dra.claim_cache else None,
+        instance=_pod_uid(),
     )
     if leftovers is not None:  # never prepare what a drained (renamed or removed) driver's claims still hold
         plugin.preparer.elsewhere = lambda: leftovers.withheld_from(resource.name)
@@ -304,6 +323,7 @@ def _leftovers(config: Config, node: str) -> Any:
             kube,
             settings,
             close=kube.close,
+            instance=_pod_uid(),
         )
 
     try:
@@ -620,6 +640,7 @@ def webhook(
             metrics_address,
             config.protected_env,
             config.node_users,
+            config.claim_families() if config.convert_to_claims else None,
         ),
     )
 

@@ -494,6 +494,7 @@ class ResourceRunner:
                 await self._poked.wait()
         finally:
             if server is not None:
+                servicer.close_streams()  # first: the kubelet lets go of this plugin at once
                 await stop_server(server, 0.5)
             if served is not None and file_identity(self.socket_path) == served:
                 with contextlib.suppress(FileNotFoundError):
