@@ -410,3 +410,32 @@ async def test_claim_pods_come_from_the_synced_cache_else_from_a_get(tmp_path: P
     cache.forget()
     api.claims[("ml", "a")]["metadata"]["uid"] = "recreated"
     assert await plugin.claim_pods([ref.uid]) == {}
+
+
+async def test_pod_resources_are_read_over_one_kept_channel_that_survives_a_kubelet_restart(
+    workdir: Path, plugin_dir: Path
+) -> None:
+    """Telemetry asks PodResources every minute or more often: over one kept channel (a channel per read kept
+    about 0.05 MB of RSS per 100 reads), opened again after a failed read, so a restarted kubelet is found."""
+    from kxpu.daemon.holders import HolderError, PodResourcesClient
+
+    socket = workdir / "pr.sock"
+    kubelet = KubeletStandIn(plugin_dir, pod_resources_socket=socket)
+    await kubelet.start()
+    client = PodResourcesClient()
+    try:
+        kubelet.assignments[("ml", "p", "main")] = [("x.com/npu", ["n0"])]
+        first = await client.read(socket)
+        channel = client._channel
+        assert (
+            (await client.read(socket)).devices == first.devices == {("x.com/npu", "n0"): ("ml", "p", "main")}
+        )
+        assert client._channel is channel, "a second read opened another channel"
+        await kubelet.stop()
+        with pytest.raises(HolderError, match="kubelet PodResources API at"):
+            await client.read(socket, timeout=2)
+        await kubelet.start()  # a new socket at the same path
+        assert (await client.read(socket)).devices == first.devices
+    finally:
+        await client.close()
+        await kubelet.stop()

@@ -31,6 +31,7 @@ from kxpu.daemon.holders import (
     DraClaims,
     Holder,
     HolderError,
+    PodResourcesClient,
     PodResourcesView,
     ProcessOwner,
     attribute,
@@ -38,7 +39,6 @@ from kxpu.daemon.holders import (
     build_holders,
     owner_of,
     placed_claims,
-    read_pod_resources,
 )
 from kxpu.logs import error_text, get_logger, log_failure
 from kxpu.model import Backend, Device, DeviceUsage, Grant, ProcessUsage, TelemetrySource, find_capability
@@ -175,6 +175,7 @@ class TelemetrySampler:
         # claim UID → (the pods PodResources placed on it when asked, the pod UIDs its reservedFor gave)
         self._claim_pods: dict[str, tuple[frozenset[tuple[str, str]], frozenset[str]]] = {}
         self._placed = PodResourcesView()
+        self._pod_resources = PodResourcesClient()  # one channel for every read
         self._placed_at = 0.0
         self._placed_generation: tuple[int, frozenset[str]] | None = None
         self._changed_at = 0.0  # when the kubelet's or a driver's records last changed
@@ -195,6 +196,7 @@ class TelemetrySampler:
                 await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
         finally:
             metrics.COLLECTOR.source = None
+            await self._pod_resources.close()
 
     # ------------------------------------------------------------------ one tick
     async def tick(self) -> Snapshot:
@@ -278,7 +280,7 @@ class TelemetrySampler:
         asked = False
         if generation != self._placed_generation or since_asked > PLACEMENT_REFRESH_S or settling:
             try:
-                self._placed = await read_pod_resources(config.pod_resources_socket)
+                self._placed = await self._pod_resources.read(config.pod_resources_socket)
                 self._placed_generation = generation
                 self._placed_at = time.monotonic()
                 asked = True
