@@ -315,7 +315,7 @@ def _leftovers(config: Config, node: str) -> Any:
 def _grant_events() -> Any:
     """A Warning event on the pod whose container exceeds its grant (telemetry.events), through the API
     server (lightkube is imported only then; the node daemon needs events: create)."""
-    from kxpu.daemon.telemetry import GrantExceeded
+    from kxpu.daemon.telemetry_snapshot import GrantExceeded
     from kxpu.kube.client import make_client, post_event
 
     clients: list[Any] = []
