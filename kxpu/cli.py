@@ -60,15 +60,15 @@ def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str,
     from kxpu.backends.fakes import check_fake_envs
     from kxpu.daemon import check_socket_paths
 
-    try:
-        check_fake_envs(os.environ)
-    except ValueError as exc:
-        _fail(str(exc))
-    for module in imports:
+    for module in imports:  # extra backends, or a fake machine's library (kxpu.backends.fakes)
         try:
             import_backend_module(module)
         except Exception as exc:  # ImportError, or whatever the module raises as it is imported
             _fail(f"--import {module}: {error_text(exc)}")
+    try:
+        check_fake_envs(os.environ)
+    except ValueError as exc:
+        _fail(str(exc))
     try:
         config = load_config(config_path, device_plugin_dir)
         check_socket_paths(config.device_plugin_dir, [r.name for r in config.resources])
@@ -98,7 +98,7 @@ import_option = click.option(
     "imports",
     multiple=True,
     metavar="MODULE",
-    help="Import a module that registers extra backends (repeatable).",
+    help="Import a module that registers extra backends, or plugs in a fake machine (repeatable).",
 )
 log_level_option = click.option(
     "--log-level",

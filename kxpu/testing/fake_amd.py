@@ -41,6 +41,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kxpu.backends.amd.sysfs import SEAM
 from kxpu.testing.fake_host import FakeHost
 
 DRI_MAJOR = 226
@@ -446,6 +447,7 @@ class FakeAmd:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+FAKE_AMD_ENV = "KXPU_FAKE_AMD"
 _shared: dict[str, FakeAmd] = {}
 
 
@@ -496,6 +498,15 @@ def main(argv: list[str]) -> int:
         return 1
     print(USAGE)
     return 2
+
+
+def _stand_in() -> Path | None:
+    """The tree the amd and hygon backends read in place of hostRoot once this module is imported."""
+    value = os.environ.get(FAKE_AMD_ENV)
+    return from_env(value) if value else None
+
+
+SEAM.plug(_stand_in)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_amd``) plugs it in
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from kxpu.backends.cambricon import cndev as c
+from kxpu.backends.cambricon.backend import SEAM
+from kxpu.backends.host import Host
 from kxpu.testing.fake_host import FakeHost
 
 STATE_FILE = ".kxpu-fake-cndev.json"
@@ -411,6 +413,7 @@ class FakeCambricon:
         self.fake.cleanup()
 
 
+FAKE_CAMBRICON_ENV = "KXPU_FAKE_CAMBRICON"
 _shared: dict[str, FakeCambricon] = {}
 
 
@@ -435,6 +438,21 @@ def main(argv: list[str]) -> int:
         f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_CAMBRICON={fake.root}"
     )
     return 0
+
+
+def _stand_in() -> tuple[Any, Host] | None:
+    """The libcndev and machine the cambricon backend uses in place of the host's once this module is
+    imported."""
+    value = os.environ.get(FAKE_CAMBRICON_ENV)
+    if not value:
+        return None
+    root = from_env(value)
+    return FakeLibcndev(root), Host(root)
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_cambricon``) plugs it in
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any
 
 from kxpu.atomicfile import write_atomically
 from kxpu.backends.ascend import dcmi
+from kxpu.backends.ascend.dcmi import SEAM, DcmiSource
 from kxpu.testing.fake_host import FakeHost
 
 FAKE_DCMI_ENV = "KXPU_FAKE_DCMI"
@@ -540,3 +541,14 @@ def from_env(host_root: Path) -> FakeDcmi | None:
             weakref.finalize(fake, fake.cleanup)  # a temporary root goes at exit; a given one stays
             _shared[key] = fake
         return fake
+
+
+def _stand_in(host_root: Path) -> DcmiSource | None:
+    """What the ascend backend loads in place of libdcmi once this module is imported."""
+    fake = from_env(host_root)
+    return None if fake is None else DcmiSource(fake.root, fake)
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_dcmi``) plugs it in

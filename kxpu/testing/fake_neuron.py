@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_FILE
+from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_FILE, SEAM
 from kxpu.testing.fake_host import FakeHost
 
 DEVICE_DIR = "/sys/devices/virtual/neuron_device"
@@ -208,6 +209,7 @@ class FakeNeuron:
         self.fake.cleanup()
 
 
+FAKE_NEURON_ENV = "KXPU_FAKE_NEURON"
 _shared: dict[str, FakeNeuron] = {}
 
 
@@ -230,6 +232,17 @@ def main(argv: list[str]) -> int:
     fake = FakeNeuron(argv[0], Path(argv[1]))
     print(f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_NEURON={fake.root}")
     return 0
+
+
+def _stand_in() -> Path | None:
+    """The tree the neuron backend reads in place of hostRoot once this module is imported."""
+    value = os.environ.get(FAKE_NEURON_ENV)
+    return from_env(value) if value else None
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_neuron``) plugs it in
 
 
 if __name__ == "__main__":
