@@ -514,7 +514,7 @@ def _run_server(what: str, main_task: Any) -> None:
 
 
 def _control_plane_config(path: Path | None) -> Any:
-    from kxpu.sharing.config import SharingConfigError, load_control_plane_config
+    from kxpu.sharing.control_plane import SharingConfigError, load_control_plane_config
 
     try:
         return load_control_plane_config(path)
