@@ -23,8 +23,8 @@ from kxpu.dra.config import (
     DEFAULT_PLUGINS_REGISTRY_DIR,
     DraConfig,
     check_dra_socket_paths,
+    default_driver_name,
 )
-from kxpu.dra.names import default_driver_name
 from kxpu.logs import one_line
 from kxpu.sharing.config import SharingConfig
 

@@ -1,19 +1,48 @@
-"""``dra:`` on a resource: how its devices are served through Dynamic Resource Allocation."""
+"""``dra:`` on a resource: how its devices are served through Dynamic Resource Allocation, and the driver
+name it derives (the model kxpu/config.py composes; it imports nothing else of kxpu.dra)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kxpu.dra.names import check_driver_name
 from kxpu.sockets import MAX_SOCKET_PATH
 
 DEFAULT_KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 DEFAULT_PLUGINS_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
+DRIVER_NAME_MAX = 63
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_NOT_LABEL = re.compile(r"[^a-z0-9-]+")
+
+
+def check_driver_name(name: str) -> str:
+    """The API server's rule for ``spec.driver`` (and the kubelet's plugin name)."""
+    if len(name) > DRIVER_NAME_MAX or not _DNS_SUBDOMAIN.match(name):
+        raise ValueError(
+            f"DRA driver name {name!r} must be a lowercase DNS subdomain of at most {DRIVER_NAME_MAX} "
+            "characters, ending in a domain the vendor owns (e.g. npu.example.com)"
+        )
+    return name
+
+
+def default_driver_name(resource: str) -> str:
+    """``example.com/npu`` → ``npu.example.com``, ``nvidia.com/gpu`` → ``gpu.nvidia.com`` (NVIDIA's own
+    DRA driver name): the resource's name part becomes the first DNS label of its domain."""
+    domain, _, short = resource.partition("/")
+    label = _NOT_LABEL.sub("-", short.lower()).strip("-")
+    name = f"{label}.{domain}" if label else domain
+    try:
+        return check_driver_name(name)
+    except ValueError:
+        raise ValueError(
+            f"no DRA driver name can be derived from {resource!r} ({name!r} is not a DNS subdomain of at most "
+            f"{DRIVER_NAME_MAX} characters): set dra.driverName"
+        ) from None
 
 
 def dra_socket(plugins_dir: Path, driver: str) -> Path:
