@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kxpu"
-FEATURES = ("kxpu.sharing", "kxpu.dra")  # packages whose own model kxpu/config.py composes
+FEATURES = ("kxpu.sharing", "kxpu.dra", "kxpu.cdi")  # packages whose own model kxpu/config.py composes
 
 
 @dataclass(frozen=True)
