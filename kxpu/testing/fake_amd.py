@@ -474,7 +474,8 @@ def main(argv: list[str]) -> int:
         if len(argv) == 3 and argv[0] == "write":
             fake = FakeAmd(argv[1], Path(argv[2]))
             print(
-                f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_AMD={fake.root}"
+                f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_AMD={fake.root} "
+                "and --import kxpu.testing.fake_amd"
             )
             return 0
         if len(argv) >= 3 and argv[0] == "change":

@@ -10,7 +10,8 @@ without a driver, ``CNDEV_ERROR_IN_PROBLEM`` for a card that fell off the bus.
 
 Like Cambricon's own C mock (``pkg/cndev/mock/cndev.c``, which re-reads ``$MOCK_JSON`` on every
 call) the machine's state is a JSON file, here ``<root>/.kxpu-fake-cndev.json``, so a daemon in
-another process running the real backend over ``FakeLibcndev(root)`` (``KXPU_FAKE_CAMBRICON=<root>``)
+another process running the real backend over ``FakeLibcndev(root)`` (``KXPU_FAKE_CAMBRICON=<root>`` with
+``--import kxpu.testing.fake_cambricon``, which plugs this fake into the backend's seam)
 sees every change a test makes with ``FakeCambricon``. The profile values (models, memory, cores,
 which companion nodes exist) are illustrative; the calls and shapes are cndev's.
 
@@ -435,7 +436,8 @@ def main(argv: list[str]) -> int:
         return 2
     fake = FakeCambricon(argv[0], Path(argv[1]))
     print(
-        f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_CAMBRICON={fake.root}"
+        f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_CAMBRICON={fake.root} "
+        "and --import kxpu.testing.fake_cambricon"
     )
     return 0
 

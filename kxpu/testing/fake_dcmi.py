@@ -14,6 +14,7 @@ removed, like a missing driver) and sysfs ``numa_node`` per PCI function.
 
 Live changes (health flips, a dropped or lost chip, a missing driver) go into a JSON state file
 in that root, which every call re-reads when it changed: a daemon in another process started with
+``--import kxpu.testing.fake_dcmi`` (which plugs this fake into the backend's seam),
 ``KXPU_FAKE_DCMI=<profile>`` and ``hostRoot`` pointing at the same root sees them at its next poll,
 as it would see the driver's answers change.
 """

@@ -17,7 +17,8 @@ proves the backend finds attributes by name, not that it matches 2.31's real tre
 Changes happen as on hardware: ``set_ecc``/``set_state`` rewrite values in place (no inotify
 event, as sysfs raises none), ``lose``/``restore`` and ``unload_driver``/``load_driver`` remove
 and add directories and device nodes (which do raise events). The tree lives on disk, so a daemon
-in another process pointed at the root (``hostRoot``, or ``KXPU_FAKE_NEURON=<root>``) sees every
+in another process pointed at the root (``hostRoot``, or ``KXPU_FAKE_NEURON=<root>`` with
+``--import kxpu.testing.fake_neuron``, which plugs this fake into the backend's seam) sees every
 change. ``python -m kxpu.testing.fake_neuron <profile> <dir>`` writes one for ``kxpu devices``.
 """
 
@@ -230,7 +231,10 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m kxpu.testing.fake_neuron PROFILE DIR  (profiles: {', '.join(PROFILES)})")
         return 2
     fake = FakeNeuron(argv[0], Path(argv[1]))
-    print(f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_NEURON={fake.root}")
+    print(
+        f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_NEURON={fake.root} "
+        "and --import kxpu.testing.fake_neuron"
+    )
     return 0
 
 
