@@ -3,7 +3,7 @@
 - Product code never names its test fakes: no module outside ``kxpu/testing/`` imports ``kxpu.testing``, at
   any level (module, function, ``TYPE_CHECKING``), nor hands a ``kxpu.testing`` module's name to
   ``importlib.import_module`` or to a function that would. A fake plugs in from outside, through the
-  backend's library seam (``kxpu.backends.seams``).
+  backend's library seam (``kxpu.backends.fakes.Seam``).
 - No import circles between modules, counting every import: module-level, under ``if TYPE_CHECKING:`` (a
   typing-only circle is still two modules that each need the other) and inside functions (a lazy import
   cannot fail at import time, but it still ties the two modules into one: the dependency points both ways).
