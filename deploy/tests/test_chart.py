@@ -529,7 +529,7 @@ def test_two_renders_are_identical_and_hold_no_key(helm: Path) -> None:
 
 
 def test_control_plane_and_scheduler_config(sharing: Rendered) -> None:
-    from kxpu.sharing.config import ControlPlaneConfig
+    from kxpu.sharing.control_plane import ControlPlaneConfig
 
     cm = sharing.one("ConfigMap", "kxpu-sharing")
     control = ControlPlaneConfig.model_validate(yaml.safe_load(cm["data"]["control-plane.yaml"]))
@@ -899,7 +899,7 @@ def test_the_upgrade_from_hmac_keys_step_by_step(
     helm: Path, scheme: str, accept_hmac: bool, extender: list[str], nodes: list[str], node_secret: bool
 ) -> None:
     """Each step of docs/sharing.md's upgrade: which key signs, which verify where, who may read the HMAC Secret."""
-    from kxpu.sharing.config import ControlPlaneConfig
+    from kxpu.sharing.control_plane import ControlPlaneConfig
 
     rendered = template(
         helm,
