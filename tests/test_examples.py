@@ -34,7 +34,9 @@ def test_the_examples_are_found() -> None:
 
 # Where each kind of file under examples/ is checked; a file of no known kind fails below, so a new example
 # cannot go unchecked.
-KUBE_MANIFEST = "Kubernetes objects: e2e/test_examples.py applies them (dry-run=server; the quick starts for real)"
+KUBE_MANIFEST = (
+    "Kubernetes objects: e2e/test_examples.py applies them (dry-run=server; the quick starts for real)"
+)
 CHECKED_BY = {
     "kxpu node config": "test_example_config_loads",
     "sharing control plane": "tests/test_sharing_node.py (load_control_plane_config)",
@@ -60,7 +62,9 @@ def example_kind(path: Path) -> str | None:
 
 
 def test_every_example_is_of_a_checked_kind() -> None:
-    unknown = [str(p.relative_to(EXAMPLES)) for p in sorted(EXAMPLES.rglob("*.y*ml")) if example_kind(p) is None]
+    unknown = [
+        str(p.relative_to(EXAMPLES)) for p in sorted(EXAMPLES.rglob("*.y*ml")) if example_kind(p) is None
+    ]
     assert not unknown, f"examples no test checks (add a kind to CHECKED_BY and its test): {unknown}"
     kinds = {example_kind(p) for p in EXAMPLES.rglob("*.yaml")}
     assert kinds == set(CHECKED_BY), kinds

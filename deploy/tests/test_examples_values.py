@@ -31,7 +31,11 @@ def docs_of(path: Path) -> list[dict[str, Any]]:
 
 def test_the_values_files_are_found() -> None:
     names = {str(p.relative_to(EXAMPLES)) for p in values_files()}
-    assert {"dra/chart-values.yaml", "dra/shares-chart-values.yaml", "quickstart/sharing-values.yaml"} <= names
+    assert {
+        "dra/chart-values.yaml",
+        "dra/shares-chart-values.yaml",
+        "quickstart/sharing-values.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", values_files(), ids=lambda p: str(p.relative_to(EXAMPLES)))
@@ -62,7 +66,9 @@ def test_every_device_class_an_example_claims_ships(helm: Path) -> None:
             claimed.setdefault(name, set()).add(str(path.relative_to(EXAMPLES)))
     assert claimed, "no example claims a DeviceClass: the scan is broken"
     missing = {name: files for name, files in claimed.items() if name not in shipped}
-    assert not missing, f"DeviceClasses claimed by examples that neither the chart nor an example ships: {missing}"
+    assert not missing, (
+        f"DeviceClasses claimed by examples that neither the chart nor an example ships: {missing}"
+    )
 
 
 def _device_class_names(text: str) -> set[str]:
