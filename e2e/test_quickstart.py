@@ -80,6 +80,14 @@ class Shell:
         return proc.stdout
 
 
+def release_images(cluster: Cluster) -> None:
+    """kxpu's archive under the chart's default reference and busybox under the examples' one, as a registry (or
+    a mirror) would serve them."""
+    cluster.ctr("images", "import", str(ARCHIVE))
+    cluster.ctr("images", "tag", "--force", image_ref(ARCHIVE), f"ghcr.io/kxpu/kxpu:{version()}")
+    cluster.ctr("images", "tag", "--force", "kxpu.local/busybox:v1", BUSYBOX)
+
+
 def server_version(cluster: Cluster) -> str:
     doc = json.loads(cluster.kubectl("version", "-o", "json"))
     match = re.match(r"v\d+\.\d+\.\d+", doc["serverVersion"]["gitVersion"])
@@ -100,9 +108,7 @@ def shell(e2e: E2E, tmp_path: Path) -> Iterator[Shell]:
         pytest.skip(
             "the running cluster predates the pods' route to Service IPs: restart it (make cluster-down)"
         )
-    cluster.ctr("images", "import", str(ARCHIVE))
-    cluster.ctr("images", "tag", "--force", image_ref(ARCHIVE), f"ghcr.io/kxpu/kxpu:{version()}")
-    cluster.ctr("images", "tag", "--force", "kxpu.local/busybox:v1", BUSYBOX)
+    release_images(cluster)
     work = tmp_path / "user"
     work.mkdir()
     k = cluster.kubectl
