@@ -160,9 +160,9 @@ def run_all(shell: Shell, mode: str, between: Callable[[], None] | None = None) 
 
 def test_quickstart_device_plugin(shell: Shell) -> None:
     _, out = run_all(shell, "device-plugin")
-    assert re.search(r"^KXPU_VISIBLE_DEVICES=sim-npu-[01]$", out, re.M), out
+    assert re.search(r"^KXPU_VISIBLE_DEVICES=sim-[01]$", out, re.M), out
     # kxpu status: both devices, one held by the pod
-    assert re.search(r"example\.com/sim-npu\s+sim-npu-[01]\s+Healthy\b.*default/npu-pod", out), out
+    assert re.search(r"example\.com/sim-npu\s+sim-[01]\s+Healthy\b.*default/npu-pod/main", out), out
     kube.wait_resource(shell.cluster, "example.com/sim-npu", allocatable=0, timeout=60)
 
 
