@@ -254,7 +254,10 @@ def main() -> int:
         )
         return 1
     cluster = Cluster.default()
-    with exclusive(900, "make demo"), tempfile.TemporaryDirectory(prefix="kxpu-demo-") as tmp:
+    with (
+        exclusive(float(os.environ.get("KXPU_E2E_LOCK_WAIT", "900")), "make demo"),
+        tempfile.TemporaryDirectory(prefix="kxpu-demo-") as tmp,
+    ):
         reuse = cluster.state.exists() and all(cluster.running().values())
         if not reuse:
             step("bringing up the single-node cluster (kubelet, API server, scheduler, containerd)")
