@@ -169,10 +169,8 @@ def demo_dra(cluster: Cluster) -> None:
     apply(cluster, *(claim_pod(f"kxpu-demo-share-{i}", "kxpu-demo-share") for i in range(2)))
     for i in range(2):
         kube.wait_pod_phase(cluster, f"kxpu-demo-share-{i}", "Running")
-        print(
-            f"   kxpu-demo-share-{i}: "
-            + kube.wait_pod_log(cluster, f"kxpu-demo-share-{i}", "done").replace("\n", " ")
-        )
+        log = kube.wait_pod_log(cluster, f"kxpu-demo-share-{i}", "done")
+        print(f"   kxpu-demo-share-{i}: " + " ".join(w for w in log.split() if w != "done"))
     print(indent(cluster.kubectl("get", "resourceclaims")))
 
     step("kxpu status: device-plugin pods and DRA claims, each device with its holders")
