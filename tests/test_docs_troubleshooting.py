@@ -26,6 +26,13 @@ QUOTED = [
     ("kxpu/dra/plugin.py", "publishing ResourceSlices failed; retrying"),
     ("kxpu/dra/plugin.py", "the kubelet refused the registration"),
     ("kxpu/dra/checkpoint.py", "DRA checkpoint unusable; starting with no prepared claims"),
+    ("kxpu/sharing/webhook.py", "(the pod was not admitted: retry)"),
+    ("kxpu/sharing/claims.py", "become a DRA claim (capacity requests are absolute, in MiB): ask for"),
+    ("kxpu/dra/config.py", "(POD_UID) cannot name a socket: use the pod's UID (downward API metadata.uid)"),
+    (
+        "kxpu/dra/plugin.py",
+        "another process of this driver publishes its ResourceSlices; waiting for it to stop",
+    ),
 ]
 
 

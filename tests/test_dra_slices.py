@@ -13,8 +13,8 @@ from kxpu.dra.slices import (
     attribute_value,
     device_entry,
     pool_content,
-    taint_value,
 )
+from kxpu.dra.taints import taint_value
 from kxpu.model import Device, Health
 
 
@@ -80,7 +80,7 @@ def test_device_entry_attributes_capacity_and_taint() -> None:
     assert entry["attributes"]["computeCapability"] == {"string": "8.0"}
     assert entry["attributes"]["migCapable"] == {"bool": True}
     assert entry["capacity"] == {"memory": {"value": "40Gi"}, "cores": {"value": "108"}}
-    assert entry["taints"] == [{"key": "kxpu.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}]
+    assert entry["taints"] == [{"key": "kxpu.io/device-lost", "value": "xid-79", "effect": "NoSchedule"}]
     assert "taints" not in device_entry(device.with_health(Health.HEALTHY), "taint")
 
 

@@ -12,9 +12,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kxpu.kube.sharing.keys import KeyStore
 from kxpu.sharing import signing
 from kxpu.sharing.config import KeySource, SharingConfig
-from kxpu.sharing.kube.keys import KeyStore
 from kxpu.sharing.model import Assignment, ContainerAssignment, DeviceGrant
 
 ASSIGNMENT = Assignment(

@@ -41,11 +41,13 @@ Control plane (``kxpu scheduler --config`` and ``kxpu webhook --config``)::
     lockHardExpirySeconds: 600       # a bound pod never admitted (kubelet down) is failed after this
     inventoryStaleSeconds: 120
     trustedUsers: [system:serviceaccount:kxpu-system:kxpu-scheduler]   # may change kxpu's pod annotations
+    convertToClaims: false           # the webhook turns shared-device limits into DRA claims (kxpu/sharing/claims.py)
     nodeUsers: [system:serviceaccount:kxpu-system:kxpu-node]     # may only mark pods bound to a node allocated
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -53,6 +55,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from kxpu.dra.names import check_driver_name, default_driver_name
+from kxpu.sharing.claims import ClaimFamily
 from kxpu.sharing.model import Policy
 from kxpu.sharing.requests import ResourceFamily
 
@@ -74,6 +78,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
 
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 DEFAULT_ED25519_SECRET = "kxpu-system/kxpu-signing-ed25519"
 DEFAULT_VERIFY_KEYS = "kxpu-system/kxpu-verify-keys"
 
@@ -183,6 +188,29 @@ class FamilyConfig(_Model):
     default_memory_percentage: int = Field(default=100, ge=1, le=100)
     default_cores: int = Field(default=0, ge=0, le=100)
     exclusive_when_count_only: bool = True
+    # convertToClaims: the DeviceClass the family's claims name, and the DRA driver whose attributes their
+    # selectors read; both default to the driver name kxpu's DRA driver derives (nvidia.com/gpu → gpu.nvidia.com),
+    # which is also the name of the DeviceClass the chart renders for it.
+    device_class_name: str | None = None
+    driver_name: str | None = None
+
+    @model_validator(mode="after")
+    def _dra_names(self) -> FamilyConfig:
+        # a name the API server would refuse is a config error naming the field, not a denial of every pod
+        if self.driver_name is not None:
+            check_driver_name(self.driver_name)
+        else:
+            default_driver_name(self.resource)
+        name = self.device_class_name
+        if name is not None and (len(name) > 253 or not _DNS_SUBDOMAIN.match(name)):
+            raise ValueError(
+                f"deviceClassName {name!r} must be a lowercase DNS subdomain (a DeviceClass's name)"
+            )
+        return self
+
+    def claim_family(self) -> ClaimFamily:
+        driver = self.driver_name or default_driver_name(self.resource)
+        return ClaimFamily(self.family(), self.device_class_name or driver, driver)
 
     def family(self) -> ResourceFamily:
         return ResourceFamily.derived(
@@ -231,6 +259,9 @@ class ControlPlaneConfig(_Model):
 
     # env names (globs) a shared container may not set itself; the webhook denies them
     protected_env: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECTED_ENV))
+    # the DRA path: the webhook turns a pod's shared-device limits into consumable-capacity claims (from
+    # ResourceClaimTemplates it creates) for the stock kube-scheduler, instead of sending it to the extender
+    convert_to_claims: bool = False
 
     @model_validator(mode="after")
     def _hard_expiry_after_timeout(self) -> ControlPlaneConfig:
@@ -244,6 +275,9 @@ class ControlPlaneConfig(_Model):
 
     def resource_families(self) -> list[ResourceFamily]:
         return [f.family() for f in self.families]
+
+    def claim_families(self) -> list[ClaimFamily]:
+        return [f.claim_family() for f in self.families]
 
 
 class SharingConfigError(Exception):

@@ -400,7 +400,12 @@ class FakeCambricon:
 
     def restore(self, index: int) -> None:
         self.state["cards"][index]["lost"] = False
-        pci = f"/sys/bus/pci/devices/{self.pci_address(index)}"  # what the plugin's FetchMLUCounts reads
+        # The function under its CPU's root complex in /sys/devices, linked from /sys/bus/pci/devices (what the
+        # plugin's FetchMLUCounts reads, and where pcieRoot comes from).
+        address, numa = self.pci_address(index), self.state["cards"][index]["numa"]
+        root = f"pci0000:{max(numa or 0, 0) * 0x80 % 0x100:02x}"
+        pci = f"/sys/devices/{root}/{root[3:]}:01.0/{address}"
+        self.fake.symlink(f"/sys/bus/pci/devices/{address}", f"../../..{pci.removeprefix('/sys')}")
         self.fake.write_attribute(f"{pci}/vendor", "0xcabc")
         self.fake.write_attribute(f"{pci}/class", "0x120000")
         for k, path in enumerate(self._nodes(index)):

@@ -176,7 +176,8 @@ class FakeHlml:
         for aip in self.aips:
             host.device_node(f"/dev/accel/accel{aip.minor}", ACCEL_MAJOR, aip.minor)
             host.device_node(f"/dev/accel/accel_controlD{aip.minor}", ACCEL_MAJOR, 64 + aip.minor)
-            pci = f"/sys/devices/pci0000:00/{aip.bus_id}"
+            root = f"pci0000:{max(aip.numa or 0, 0) * 0x80 % 0x100:02x}"  # one root complex per CPU
+            pci = f"/sys/devices/{root}/{aip.bus_id}"
             for attr, value in (
                 ("vendor", "0x1da3"),
                 ("device", f"0x{aip.pci_device:04x}"),
@@ -188,10 +189,8 @@ class FakeHlml:
                 ("pci_addr", aip.bus_id),
             ):
                 host.write_attribute(f"{pci}/{attr}", value)
-            host.symlink(f"/sys/bus/pci/devices/{aip.bus_id}", f"../../../devices/pci0000:00/{aip.bus_id}")
-            host.symlink(
-                f"/sys/class/accel/accel{aip.minor}/device", f"../../../devices/pci0000:00/{aip.bus_id}"
-            )
+            host.symlink(f"/sys/bus/pci/devices/{aip.bus_id}", f"../../..{pci.removeprefix('/sys')}")
+            host.symlink(f"/sys/class/accel/accel{aip.minor}/device", f"../../..{pci.removeprefix('/sys')}")
         host.write_file(MARKER, self.profile.name)
 
     def cleanup(self) -> None:

@@ -51,6 +51,7 @@ class NeuronProfile:
     driver_version: str = "2.24.7.0"
     lnc_file: int | None = None
     driver: bool = True
+    pci_parents: bool = False  # each device's ``device`` link to its PCI function (half under each CPU)
 
 
 def _base_profiles() -> list[NeuronProfile]:
@@ -70,6 +71,9 @@ def _profiles() -> dict[str, NeuronProfile]:
         out[f"{base}-new-layout"] = replace(
             out[base], name=f"{base}-new-layout", layout="new", driver_version="2.31.0.0"
         )
+    out["trn1-32xl-pci"] = replace(
+        out["trn1-32xl"], name="trn1-32xl-pci", layout="new", driver_version="2.31.0.0", pci_parents=True
+    )
     out["no-driver"] = replace(out["trn1-32xl"], name="no-driver", driver=False)
     return out
 
@@ -126,6 +130,12 @@ class FakeNeuron:
         rel = NEW_LAYOUT.get(name) if self.profile.layout == "new" else None
         return f"{DEVICE_DIR}/neuron{index}/{rel or LEGACY_PATHS[name]}"  # type: ignore[index]
 
+    def pci_address(self, index: int) -> str:
+        """Device ``index``'s PCI function (``pci_parents`` profiles): half under each CPU's root complex."""
+        half = self.profile.count // 2
+        bus = 0x10 + index * 0x08 if index < half else 0x90 + (index - half) * 0x08
+        return f"0000:{bus:02x}:00.0"
+
     def serial(self, index: int) -> str:
         return hashlib.sha256(f"{self.profile.name}/{index}".encode()).hexdigest()[:16]
 
@@ -169,6 +179,12 @@ class FakeNeuron:
         self.fake.write_attribute(f"{base}/power/control", "auto")
         self.fake.write_attribute(f"{base}/stats/hardware/mem_ecc_repairable_uncorrected", 0)
         self.fake.symlink(f"{base}/subsystem", "../../../../class/neuron_device")
+        if p.pci_parents:
+            bdf, root = self.pci_address(index), f"pci0000:{index * 2 // p.count * 0x80:02x}"
+            pci = f"{root}/{root[3:]}:01.0/{bdf}"
+            self.fake.write_attribute(f"/sys/devices/{pci}/numa_node", index * 2 // p.count)
+            self.fake.symlink(f"{base}/device", f"../../../{pci}")
+            self.fake.symlink(f"/sys/bus/pci/devices/{bdf}", f"../../../devices/{pci}")
         for core in range(p.physical_cores):
             self.fake.write_attribute(f"{base}/neuron_core{core}/info/architecture/arch_type", p.arch[1])
             self.fake.write_attribute(f"{base}/neuron_core{core}/stats/status/success/total", 0)

@@ -39,6 +39,8 @@ MAX_ERROR_CODE_COUNT = 128
 VDIE = 1  # enum dcmi_die_type: NDIE = 0, VDIE = 1 (HAMi takes the VDIE as the chip's UUID)
 
 DCMI_OK = 0
+# enum of dcmi_get_topo_info_by_device_id's topo_type: SELF 0, SYS 1, PHB 2, HCCS 3, PXB 4, PIX 5, BUTT 6.
+TOPO_HCCS = 3
 # DCMI_ERROR_CODE_BASE (-8000) minus n, as the header defines them.
 ERROR_NAMES = {
     -8001: "invalid parameter",
@@ -169,6 +171,7 @@ SIGNATURES: dict[str, list[Any]] = {
     "dcmi_get_device_temperature": [_C, _C, _INT_P],  # °C
     "dcmi_get_device_frequency": [_C, _C, _C, _UINT_P],
     "dcmi_get_device_resource_info": [_C, _C, ctypes.POINTER(DcmiProcMemInfo), _INT_P],
+    "dcmi_get_topo_info_by_device_id": [_C, _C, _C, _C, _INT_P],
 }
 
 

@@ -28,6 +28,7 @@ from pydantic import Field, field_validator
 
 from kxpu.backends.cambricon.cndev import Card, Cndev, CndevError, Telemetry, load_library
 from kxpu.backends.host import Host, HostBackendConfig, host_changes
+from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
 from kxpu.backends.templates import EnvTemplates, render_env
 from kxpu.logs import get_logger
@@ -117,6 +118,7 @@ class CambriconBackend(Backend):
             library, host = fake
             log.warning("using a fake libcndev", root=str(fake[1].root), env=FAKE_ENV)
         self.host = host or config.host
+        self._placement = PlacementReader(self.host)
         self._library = library
         self.cndev: Cndev | None = None
         self._init_error: str | None = None
@@ -297,6 +299,7 @@ class CambriconBackend(Backend):
             memory_mib=card.memory_mib if card else None,
             cores=card.cores if card else None,
             pci_bus_id=card.pci_bus_id if card else None,
+            pcie_root=self._placement.pcie_root(card.pci_bus_id) if card else None,
             extra=extra,
         )
 

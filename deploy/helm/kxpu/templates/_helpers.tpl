@@ -130,6 +130,23 @@ the lock Leases in the release namespace. */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- /* dra.taints: the taint effect per fault class for every resource served through DRA that names none. */}}
+{{- if .Values.dra.taints }}
+{{- range $out }}
+{{- if kindIs "map" .config }}
+{{- range (get .config "resources" | default list) }}
+{{- if and (kindIs "map" .) (eq (toString (get . "serve")) "dra") }}
+{{- if not (kindIs "map" (get . "dra")) }}
+{{- $_ := set . "dra" dict }}
+{{- end }}
+{{- if not (hasKey (get . "dra") "taints") }}
+{{- $_ := set (get . "dra") "taints" (deepCopy $.Values.dra.taints) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- range $out }}
 {{- $where := ternary "config" (printf "nodeConfigs.%s" .name) (eq .name "default") }}
 {{- if not (kindIs "map" .config) }}
