@@ -60,15 +60,15 @@ def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str,
     from kxpu.backends.fakes import check_fake_envs
     from kxpu.daemon import check_socket_paths
 
-    try:
-        check_fake_envs(os.environ)
-    except ValueError as exc:
-        _fail(str(exc))
-    for module in imports:
+    for module in imports:  # extra backends, or a fake machine's library (kxpu.backends.fakes)
         try:
             import_backend_module(module)
         except Exception as exc:  # ImportError, or whatever the module raises as it is imported
             _fail(f"--import {module}: {error_text(exc)}")
+    try:
+        check_fake_envs(os.environ)
+    except ValueError as exc:
+        _fail(str(exc))
     try:
         config = load_config(config_path, device_plugin_dir)
         check_socket_paths(config.device_plugin_dir, [r.name for r in config.resources])
@@ -98,7 +98,7 @@ import_option = click.option(
     "imports",
     multiple=True,
     metavar="MODULE",
-    help="Import a module that registers extra backends (repeatable).",
+    help="Import a module that registers extra backends, or plugs in a fake machine (repeatable).",
 )
 log_level_option = click.option(
     "--log-level",
@@ -335,7 +335,7 @@ def _leftovers(config: Config, node: str) -> Any:
 def _grant_events() -> Any:
     """A Warning event on the pod whose container exceeds its grant (telemetry.events), through the API
     server (lightkube is imported only then; the node daemon needs events: create)."""
-    from kxpu.daemon.telemetry import GrantExceeded
+    from kxpu.daemon.telemetry_snapshot import GrantExceeded
     from kxpu.kube.client import make_client, post_event
 
     clients: list[Any] = []
@@ -531,7 +531,7 @@ def _run_server(what: str, main_task: Any) -> None:
 
 
 def _control_plane_config(path: Path | None) -> Any:
-    from kxpu.sharing.config import SharingConfigError, load_control_plane_config
+    from kxpu.sharing.control_plane import SharingConfigError, load_control_plane_config
 
     try:
         return load_control_plane_config(path)

@@ -14,6 +14,11 @@ QUOTED = [
     ("kxpu/cli.py", "applies to a resource served through DRA, and this one has "),
     ("kxpu/backends/registry.py", "set, but {what} is off: set {switch}: true to use"),
     ("kxpu/backends/fakes.py", "no such kxpu variable; a fake machine is named by"),
+    ("kxpu/backends/fakes.py", "is plugged in: kxpu plays a fake machine only when its "),
+    (
+        "kxpu/backends/fakes.py",
+        "command line imports the fake (--import, see docs/troubleshooting.md); add that, or unset",
+    ),
     ("kxpu/backends/nvidia/backend.py", "which this node does not have (GPUs present: {present}); "),
     (
         "kxpu/cli.py",

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kxpu.dra.names import check_driver_name, default_driver_name, device_name, is_dns_label
+from kxpu.dra.config import check_driver_name, default_driver_name
+from kxpu.dra.names import device_name, is_dns_label
 from kxpu.dra.slices import (
     MAX_ATTRIBUTES_AND_CAPACITIES,
     as_version,
@@ -125,7 +126,7 @@ def test_pools_split_at_the_device_limit_and_withdraw() -> None:
 
 
 def test_slice_names_are_unique_per_node_and_driver() -> None:
-    from kxpu.dra.names import _DNS_SUBDOMAIN
+    from kxpu.dra.config import _DNS_SUBDOMAIN
     from kxpu.dra.publisher import MAX_NAME, slice_name
 
     # Joined with "-", node a-b with driver c.io and node a with driver b-c.io read the same: the hash differs.

@@ -141,14 +141,16 @@ resources:
 """
         )
     )
-    policy = config.resources[0].dra.taints.policy()
+    policy = TaintPolicy(config.resources[0].dra.taints.effects())
     assert policy.fault_taint(sick("gpu-lost")) == {
         "key": "kxpu.io/device-lost",
         "value": "gpu-lost",
         "effect": "NoExecute",
     }
     assert policy.effect(UNMONITORED) == "None" and policy.effect(DRIVER_ERROR) == "NoSchedule"
-    assert DraConfig().taints.policy().effect(LOST) == "NoSchedule"  # the default: nothing evicted unasked
+    assert (
+        TaintPolicy(DraConfig().taints.effects()).effect(LOST) == "NoSchedule"
+    )  # the default: nothing evicted unasked
     with pytest.raises(ValidationError, match=r"deviceLost\n.*'NoSchedule', 'NoExecute' or 'None'"):
         DraConfig.model_validate({"taints": {"deviceLost": "PreferNoSchedule"}})
     with pytest.raises(ValidationError, match="xidLost"):

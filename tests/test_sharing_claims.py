@@ -17,7 +17,7 @@ from aiohttp import web
 from kxpu.kube.sharing.templates import TemplateError
 from kxpu.sharing import webhook
 from kxpu.sharing.claims import ClaimFamily, Template, convert
-from kxpu.sharing.config import ControlPlaneConfig, FamilyConfig
+from kxpu.sharing.control_plane import ControlPlaneConfig, FamilyConfig
 from kxpu.sharing.requests import RequestError
 from kxpu.testing.sharing import pod
 from tests.test_sharing_webhook import Server, request

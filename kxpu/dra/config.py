@@ -1,4 +1,5 @@
-"""``dra:`` on a resource: how its devices are served through Dynamic Resource Allocation."""
+"""``dra:`` on a resource: how its devices are served through Dynamic Resource Allocation, and the driver
+name it derives (the model kxpu/config.py composes; it imports nothing else of kxpu.dra)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,41 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kxpu.dra.names import check_driver_name
-from kxpu.dra.taints import Effect, TaintPolicy
 from kxpu.model import FaultClass
+from kxpu.model.faults import Effect
 from kxpu.sockets import MAX_SOCKET_PATH
 
 DEFAULT_KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 DEFAULT_PLUGINS_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
+DRIVER_NAME_MAX = 63
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_NOT_LABEL = re.compile(r"[^a-z0-9-]+")
+
+
+def check_driver_name(name: str) -> str:
+    """The API server's rule for ``spec.driver`` (and the kubelet's plugin name)."""
+    if len(name) > DRIVER_NAME_MAX or not _DNS_SUBDOMAIN.match(name):
+        raise ValueError(
+            f"DRA driver name {name!r} must be a lowercase DNS subdomain of at most {DRIVER_NAME_MAX} "
+            "characters, ending in a domain the vendor owns (e.g. npu.example.com)"
+        )
+    return name
+
+
+def default_driver_name(resource: str) -> str:
+    """``example.com/npu`` → ``npu.example.com``, ``nvidia.com/gpu`` → ``gpu.nvidia.com`` (NVIDIA's own
+    DRA driver name): the resource's name part becomes the first DNS label of its domain."""
+    domain, _, short = resource.partition("/")
+    label = _NOT_LABEL.sub("-", short.lower()).strip("-")
+    name = f"{label}.{domain}" if label else domain
+    try:
+        return check_driver_name(name)
+    except ValueError:
+        raise ValueError(
+            f"no DRA driver name can be derived from {resource!r} ({name!r} is not a DNS subdomain of at most "
+            f"{DRIVER_NAME_MAX} characters): set dra.driverName"
+        ) from None
 
 
 # A DaemonSet rolled with maxSurge runs two pods of the driver on a node at once: each serves sockets of its own
@@ -120,16 +148,15 @@ class DraTaintsConfig(BaseModel):
     )
     other: Effect = Field(default="NoSchedule", description="kxpu.io/unhealthy: any other reason")
 
-    def policy(self) -> TaintPolicy:
-        return TaintPolicy(
-            {
-                FaultClass.DEVICE_LOST: self.device_lost,
-                FaultClass.ECC_FATAL: self.ecc_fatal,
-                FaultClass.UNMONITORED: self.unmonitored,
-                FaultClass.DRIVER_ERROR: self.driver_error,
-                FaultClass.OTHER: self.other,
-            }
-        )
+    def effects(self) -> dict[FaultClass, Effect]:
+        """The effect per fault class, for ``kxpu.dra.taints.TaintPolicy``."""
+        return {
+            FaultClass.DEVICE_LOST: self.device_lost,
+            FaultClass.ECC_FATAL: self.ecc_fatal,
+            FaultClass.UNMONITORED: self.unmonitored,
+            FaultClass.DRIVER_ERROR: self.driver_error,
+            FaultClass.OTHER: self.other,
+        }
 
 
 class DraConfig(BaseModel):

@@ -48,6 +48,7 @@ from kxpu.dra.prepare import ClaimSource, Preparer
 from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
 from kxpu.dra.slices import SharePolicy
+from kxpu.dra.taints import TaintPolicy
 from kxpu.fswatch import directory_changes
 from kxpu.kube.watch import keep_watching
 from kxpu.logs import error_text, get_logger
@@ -176,7 +177,7 @@ class DraPlugin:
             settings.cdi_spec_dir,
             claims,
             settings.shares,
-            settings.taints.policy(),
+            TaintPolicy(settings.taints.effects()),
         )
         self.claim_cache = self.preparer.claim_cache = claim_cache
         shares = settings.shares
@@ -189,7 +190,7 @@ class DraPlugin:
         )
         self.slice_api = slices
         self.publisher = SlicePublisher(
-            slices, driver, node, settings.unhealthy, policy, settings.taints.policy()
+            slices, driver, node, settings.unhealthy, policy, TaintPolicy(settings.taints.effects())
         )
         self._republish = asyncio.Event()  # the slices in the API may no longer be what was published
         self._active = asyncio.Event()  # serving (not standing by): only then are slices published

@@ -24,13 +24,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from kxpu.model import Device, FaultClass, fault_class
+from kxpu.model.faults import Effect
 
 _LABEL_VALUE_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-
-Effect = Literal["NoSchedule", "NoExecute", "None"]
 
 TAINT_KEYS: Mapping[FaultClass, str] = {
     FaultClass.DEVICE_LOST: "kxpu.io/device-lost",

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
+from typing import Literal
+
+# What a device taint does to claims (resource.k8s.io/v1 DeviceTaint.effect).
+Effect = Literal["NoSchedule", "NoExecute", "None"]
 
 
 class FaultClass(StrEnum):

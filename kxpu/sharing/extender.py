@@ -50,7 +50,7 @@ from aiohttp import web
 from kxpu.logs import error_text, get_logger
 from kxpu.sharing import bounds, probes
 from kxpu.sharing import extender_metrics as metrics
-from kxpu.sharing.config import ControlPlaneConfig
+from kxpu.sharing.control_plane import ControlPlaneConfig
 from kxpu.sharing.lock import LockError, NodeLock
 from kxpu.sharing.scheduler import LockBusy, PodRef, Scheduler, SchedulerAPI
 from kxpu.sharing.state import ClusterState

@@ -67,7 +67,7 @@ from kxpu.logs import get_logger
 from kxpu.sharing import bounds, probes
 from kxpu.sharing import webhook_metrics as metrics
 from kxpu.sharing.claims import ClaimFamily, Template, convert
-from kxpu.sharing.config import DEFAULT_PROTECTED_ENV
+from kxpu.sharing.control_plane import DEFAULT_PROTECTED_ENV
 from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, BIND_PHASE_ANNOTATION, LOCK_PREFIX
 from kxpu.sharing.requests import RequestError, ResourceFamily, check_pod_shape, parse_pod, requested_names
 from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION

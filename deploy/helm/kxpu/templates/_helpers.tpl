@@ -48,7 +48,8 @@ account: never the namespace's "default", which every pod of the namespace may r
 {{- end }}
 {{- end }}
 
-{{- /* kube-scheduler's image: by digest when one is set (sha256:...), else by tag. */}}
+{{- /* kube-scheduler's image: by digest when one is set (sha256:...), else by tag; no tag: the cluster's version
+(vMAJOR.MINOR.PATCH, without a provider's suffix, which registry.k8s.io does not tag). */}}
 {{- define "kxpu.kubeScheduler.image" -}}
 {{- $image := .Values.scheduler.kubeScheduler.image }}
 {{- if $image.digest }}
@@ -57,7 +58,8 @@ account: never the namespace's "default", which every pod of the namespace may r
 {{- end }}
 {{- printf "%s@%s" $image.repository $image.digest }}
 {{- else }}
-{{- printf "%s:%s" $image.repository $image.tag }}
+{{- $v := semver .Capabilities.KubeVersion.Version }}
+{{- printf "%s:%s" $image.repository (default (printf "v%d.%d.%d" $v.Major $v.Minor $v.Patch) $image.tag) }}
 {{- end }}
 {{- end }}
 
