@@ -188,6 +188,17 @@ class TelemetryConfig(_Model):
             raise ValueError(f"{value} must be an absolute path")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        # before 2026-11 the kubelet's dra_manager_state gave DRA claims their pod UIDs; reservedFor does now
+        if isinstance(data, dict) and ("kubeletDraCheckpoint" in data or "kubelet_dra_checkpoint" in data):
+            raise ValueError(
+                "kubeletDraCheckpoint is no longer read (a DRA claim's pods come from its status.reservedFor): "
+                "remove it"
+            )
+        return data
+
     @model_validator(mode="after")
     def _not_ignored(self) -> TelemetryConfig:
         refuse_set_while_off(self, "telemetry")
