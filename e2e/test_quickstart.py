@@ -152,6 +152,21 @@ def run_all(shell: Shell, mode: str, between: Callable[[], None] | None = None) 
         between()
     tried = shell.run(mode, "try", qs.try_)
     shell.run(mode, "clean up", qs.clean_up)
+    # A pod still holding a claim when the driver goes stays Terminating, its claim prepared on the node for good
+    # (the kubelet cannot unprepare without the driver): the clean-up block must let the driver see them go.
+    left: list[str] = []
+
+    # claims made from templates go with their pods, a moment later (garbage collection)
+    def all_gone() -> bool:
+        left[:] = shell.cluster.kubectl("get", "resourceclaims,pods", "-n", "default", "-o", "name").split()
+        return not left
+
+    try:
+        kube.wait_until("the quick start's pods and claims gone", all_gone, 60)
+    except kube.WaitTimeout:
+        raise AssertionError(
+            f"{mode}: the clean-up block uninstalled the driver before these were gone: {left}"
+        ) from None
     assert not shell.cluster.kubectl("get", "namespace", NAMESPACE, "--ignore-not-found").strip(), (
         f"{mode}: the clean-up block left namespace {NAMESPACE}"
     )
