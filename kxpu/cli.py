@@ -272,6 +272,7 @@ def _dra(
         config.pod_resources_socket,
         close=kube.close,
         claim_cache=ClaimCache(resource.dra_driver, node, kube) if resource.dra.claim_cache else None,
+        status_api=kube,
     )
     if leftovers is not None:  # never prepare what a drained (renamed or removed) driver's claims still hold
         plugin.preparer.elsewhere = lambda: leftovers.withheld_from(resource.name)
@@ -304,6 +305,7 @@ def _leftovers(config: Config, node: str) -> Any:
             kube,
             settings,
             close=kube.close,
+            status_api=kube,
         )
 
     try:
