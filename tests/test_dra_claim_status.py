@@ -18,7 +18,7 @@ from kxpu.dra import claim_status
 from kxpu.dra.checkpoint import Checkpoint
 from kxpu.dra.claim_status import ClaimStatusWriter, StatusWriteError
 from kxpu.dra.config import DraSharesConfig
-from kxpu.dra.prepare import ClaimRef, Preparer
+from kxpu.dra.prepare import Preparer
 from kxpu.model import index_by_id
 from kxpu.testing.dra import FakeDraApi
 from tests.test_dra_daemon import Rig as DaemonRig
@@ -171,7 +171,7 @@ class RecordingApi(FakeDraApi):
 
 
 @pytest.fixture
-async def daemon_rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[DaemonRig]:
+async def daemon_rig() -> AsyncIterator[DaemonRig]:
     import shutil
     import tempfile
 

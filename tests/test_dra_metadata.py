@@ -30,7 +30,9 @@ def result(device: str, request: str = "npu") -> dict[str, Any]:
 class Rig:
     def __init__(self, root: Path, metadata: bool = True) -> None:
         self.root = root
-        self.backend = SimulatedBackend(SimulatedConfig(count=4, model="sim", env={"NPU_VISIBLE_DEVICES": "{ids}"}))
+        self.backend = SimulatedBackend(
+            SimulatedConfig(count=4, model="sim", env={"NPU_VISIBLE_DEVICES": "{ids}"})
+        )
         self.devices = index_by_id(self.backend.discover())
         self.api = FakeDraApi()
         self.cdi = root / "cdi"
@@ -94,7 +96,12 @@ async def test_each_request_gets_a_file_mounted_by_a_cdi_device_on_its_first_dev
     (request,) = beta["requests"]
     assert request["name"] == "npu"
     assert request["devices"] == [
-        {"driver": DRIVER, "pool": NODE, "name": f"sim-{i}", "attributes": device_attributes(rig.devices[f"sim-{i}"])}
+        {
+            "driver": DRIVER,
+            "pool": NODE,
+            "name": f"sim-{i}",
+            "attributes": device_attributes(rig.devices[f"sim-{i}"]),
+        }
         for i in (0, 1)
     ]
     assert request["devices"][0]["attributes"]["uuid"] == {"string": rig.devices["sim-0"].uuid}
@@ -107,7 +114,9 @@ async def test_each_request_gets_a_file_mounted_by_a_cdi_device_on_its_first_dev
     assert not (rig.plugin_dir / "dra-device-metadata" / "default_c").exists()
 
 
-async def test_a_template_claim_is_found_by_its_pod_claim_name_and_a_subrequest_by_its_request(rig: Rig) -> None:
+async def test_a_template_claim_is_found_by_its_pod_claim_name_and_a_subrequest_by_its_request(
+    rig: Rig,
+) -> None:
     claim = rig.api.add_claim("pod-x-gpus-7f2kq", [result("sim-3", request="npu/big")])
     obj = rig.api.claims[("default", claim.name)]
     obj["metadata"]["annotations"] = {"resource.kubernetes.io/pod-claim-name": "gpus"}

@@ -323,7 +323,9 @@ class FakeDraApi:
         for n, d in enumerate(devices):
             key = (d["driver"], d["pool"], d["device"], d.get("shareID"))
             if key not in allocated:
-                raise StatusWriteError(f"status.devices[{n}]: must be an allocated device in the claim", False)
+                raise StatusWriteError(
+                    f"status.devices[{n}]: must be an allocated device in the claim", False
+                )
             if len(d.get("conditions", [])) > 8:
                 raise StatusWriteError(f"status.devices[{n}].conditions: must have at most 8 items", False)
             for c in d.get("conditions", []):
