@@ -109,7 +109,7 @@ async def test_a_hanging_api_server_never_holds_up_prepare(rig: Rig) -> None:
         await never.wait()
         return True
 
-    rig.api.apply_claim_status = hang  # type: ignore[method-assign]
+    rig.api.apply_claim_status = hang  # type: ignore[method-assign,assignment]
     claims = [rig.api.add_claim(f"c{i}", [result(f"sim-{i}")]) for i in range(4)]
     answers = await asyncio.wait_for(rig.preparer.prepare(claims), 2)
     assert all(a.error is None for a in answers.values())
@@ -193,7 +193,11 @@ async def test_the_daemon_reports_prepared_claims_in_their_status(daemon_rig: Da
     await eventually(lambda: len(rig.pool()) == 4)
     claim = rig.api.add_claim("c", [result("sim-1")])
     assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
-    entries = lambda: rig.api.claims[("default", "c")]["status"].get("devices", [])  # noqa: E731
+
+    def entries() -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = rig.api.claims[("default", "c")]["status"].get("devices", [])
+        return found
+
     await eventually(lambda: [d["device"] for d in entries()] == ["sim-1"])
     assert json.dumps(entries()[0]["data"]).count("sim-1") == 1
     assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
