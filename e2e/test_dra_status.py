@@ -30,7 +30,11 @@ def documents(log: str, marker: str) -> list[dict[str, Any]]:
     """The JSON documents the container printed between ``<marker>-begin`` and ``<marker>-end``."""
     match = re.search(rf"^{marker}-begin\n(.*?)^{marker}-end$", log, re.M | re.S)
     assert match, log
-    return [json.loads(line) for line in match.group(1).splitlines() if line.strip()]
+    lines = [line for line in match.group(1).splitlines() if line.strip()]
+    assert lines and all(line.startswith("{") for line in lines), (
+        f"the container could not read its file:\n{log}"
+    )
+    return [json.loads(line) for line in lines]
 
 
 def ours(claim: dict[str, Any]) -> list[dict[str, Any]]:

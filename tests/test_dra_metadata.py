@@ -180,3 +180,23 @@ async def test_orphans_a_crash_left_are_removed_at_start(rig: Rig) -> None:
     other_driver.write_text("{}")
     assert rig.make().remove_orphan_specs() == [spec]
     assert not spec.exists() and not rig.host_file("c", "npu").exists() and other_driver.exists()
+
+
+async def test_a_template_claim_from_the_claim_cache_keeps_its_pod_claim_name(rig: Rig) -> None:
+    """The node's claim cache keeps only what prepare reads: the pod claim name is part of that now (before, the
+    file of a template claim was mounted under resourceclaims/<generated name>, where no pod looks)."""
+    from kxpu.dra.claim_cache import trim
+
+    claim = rig.api.add_claim("pod-x-devices-9abcd", [result("sim-0")])
+    obj = rig.api.claims[("default", claim.name)]
+    obj["metadata"]["annotations"] = {"resource.kubernetes.io/pod-claim-name": "devices", "other": "x"}
+    trimmed = trim(obj, DRIVER, NODE)
+    assert trimmed is not None
+    assert trimmed["metadata"]["annotations"] == {"resource.kubernetes.io/pod-claim-name": "devices"}
+    rig.api.claims[("default", claim.name)] = trimmed  # prepare reads what the cache would hand it
+    assert (await rig.preparer.prepare([claim]))[claim.uid].error is None
+    spec = json.loads((rig.cdi / f"{DRIVER}_metadata_{claim.uid}_npu.json").read_text())
+    (mount,) = spec["devices"][0]["containerEdits"]["mounts"]
+    assert (
+        mount["containerPath"] == f"{IN_CONTAINER}/resourceclaimtemplates/devices/npu/{DRIVER}-metadata.json"
+    )

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from kxpu.daemon.backoff import Backoff
 from kxpu.dra import metrics
+from kxpu.dra.metadata import POD_CLAIM_NAME
 from kxpu.logs import error_text, get_logger
 
 log = get_logger("kxpu.dra.claim_cache")
@@ -83,8 +84,13 @@ def trim(claim: Mapping[str, Any], driver: str, pool: str) -> dict[str, Any] | N
     if not any(r.get("pool") == pool for r in mine):
         return None
     configs = _get(allocation, "devices", "config")
+    kept_meta: dict[str, Any] = {k: meta.get(k) for k in ("namespace", "name", "uid")}
+    # A template claim's name in its pod: where the container finds its device metadata (kxpu.dra.metadata).
+    pod_claim = _get(meta, "annotations", POD_CLAIM_NAME)
+    if isinstance(pod_claim, str):
+        kept_meta["annotations"] = {POD_CLAIM_NAME: pod_claim}
     return {
-        "metadata": {k: meta.get(k) for k in ("namespace", "name", "uid")},
+        "metadata": kept_meta,
         "status": {
             "allocation": {
                 "devices": {
