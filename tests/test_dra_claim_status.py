@@ -44,7 +44,7 @@ class Rig:
         self.preparer = Preparer(
             DRIVER, NODE, self.backend, self.devices, checkpoint, root / "cdi", self.api, shares
         )
-        self.writer = ClaimStatusWriter(DRIVER, self.api)
+        self.writer = ClaimStatusWriter(DRIVER, self.api, settle_s=0, quiet_s=0)
         self.preparer.status = self.writer
 
     def status(self, name: str) -> list[dict[str, Any]]:
@@ -100,6 +100,39 @@ async def test_a_claim_unprepared_before_its_entries_were_sent_costs_no_call(tmp
     await asyncio.wait_for(rig.writer.drained(), 5)
     task.cancel()
     assert rig.api.status_writes == 0 and rig.status("c") == []
+
+
+async def test_entries_wait_a_moment_and_for_the_kubelet_to_pause(tmp_path: Path) -> None:
+    """A pod gone within the settle time costs no call; while the kubelet keeps calling, writes wait (at most
+    max_defer_s past their time), then go."""
+    rig = Rig(tmp_path)
+    rig.writer = rig.preparer.status = ClaimStatusWriter(
+        DRIVER, rig.api, settle_s=0.3, quiet_s=0.2, max_defer_s=60
+    )
+    task = asyncio.create_task(rig.writer.run())
+    brief = rig.api.add_claim("brief", [result("sim-0")])
+    assert (await rig.preparer.prepare([brief]))[brief.uid].error is None
+    assert await rig.preparer.unprepare([brief]) == {brief.uid: None}
+    claim = rig.api.add_claim("c", [result("sim-1")])
+    assert (await rig.preparer.prepare([claim]))[claim.uid].error is None
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 0.8
+    while loop.time() < until:  # the kubelet busy with other pods, well past the settle time
+        rig.writer.busy()
+        await asyncio.sleep(0.02)
+    assert rig.api.status_writes == 0
+    await asyncio.wait_for(rig.writer.drained(), 5)
+    task.cancel()
+    assert rig.api.status_writes == 1 and [d["device"] for d in rig.status("c")] == ["sim-1"]
+    assert rig.status("brief") == []
+
+    capped = ClaimStatusWriter(DRIVER, rig.api, settle_s=0, quiet_s=10, max_defer_s=0.2)
+    task = asyncio.create_task(capped.run())
+    capped.busy()
+    capped.report(claim, [dict(rig.status("c")[0])])
+    await asyncio.wait_for(capped.drained(), 5)  # never later than max_defer_s, however busy
+    task.cancel()
+    assert rig.api.status_writes == 2
 
 
 async def test_a_hanging_api_server_never_holds_up_prepare(rig: Rig) -> None:

@@ -6,8 +6,9 @@ removed at unprepare.
 Off the critical path and best effort: prepare only queues the entries; a background task writes them, one
 server-side apply of the ``status`` subresource per claim (field manager ``kxpu-<driver>``: the apply owns this
 driver's entries and no others, so removing them is applying none). A write that fails is one warning line and
-never fails or slows a prepare. Writes coalesce per claim: a claim unprepared before its entries were sent costs
-no call at all.
+never fails a prepare. Nor does it slow one: entries go out a second after the prepare (``SETTLE_S``), once the
+kubelet has paused calling (``QUIET_S``: a burst of pods starting is served first), at most ``MAX_DEFER_S``
+later; and writes coalesce per claim, so a claim unprepared before its entries went out costs no call at all.
 
 The API server checks each write (``pkg/registry/resource/resourceclaim/strategy.go``, 1.37): every entry names
 a device allocated to the claim (driver, pool, device, shareID), at most 8 conditions, data a JSON object of at
@@ -19,6 +20,7 @@ claim's node) — what the chart grants, and no more (docs/dra.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +36,9 @@ log = get_logger("kxpu.dra.claim_status")
 
 MAX_DATA = 10 * 1024  # resource.AllocatedDeviceStatusDataMaxLength
 CONCURRENCY = 4  # writes in flight at once: a burst of prepares is not one long queue
+SETTLE_S = 1.0  # entries go out a second after prepare: a claim unprepared sooner costs no call
+QUIET_S = 0.1  # and while the kubelet is calling (a burst of pods starting), once it has been quiet this long
+MAX_DEFER_S = 5.0  # but never later than this past their time, however busy the node
 RETRY_DELAYS = (0.5, 2.0)  # a transient failure (5xx, 429, a broken connection) is tried again, twice
 
 
@@ -118,14 +123,25 @@ def device_status(driver: str, node: str, prepared: PreparedDevice, device: Devi
 class _Pending:
     ref: ClaimRef
     devices: list[dict[str, Any]] | None  # None: remove this driver's entries
+    due: float  # time.monotonic() from which it may be sent
 
 
 class ClaimStatusWriter:
     """Queues and writes one driver's ``status.devices`` entries; ``run`` is the writer (a task of the plugin)."""
 
-    def __init__(self, driver: str, api: ClaimStatusApi, concurrency: int = CONCURRENCY) -> None:
+    def __init__(
+        self,
+        driver: str,
+        api: ClaimStatusApi,
+        concurrency: int = CONCURRENCY,
+        settle_s: float = SETTLE_S,
+        quiet_s: float = QUIET_S,
+        max_defer_s: float = MAX_DEFER_S,
+    ) -> None:
         self.driver = driver
         self.api = api
+        self.settle_s, self.quiet_s, self.max_defer_s = settle_s, quiet_s, max_defer_s
+        self._activity = 0.0  # time.monotonic() of the kubelet's last prepare or unprepare
         self._pending: dict[str, _Pending] = {}
         self._written: set[str] = set()  # claim UIDs whose entries this process wrote (and did not remove)
         self._inflight: set[str] = set()
@@ -146,8 +162,12 @@ class ClaimStatusWriter:
         """Entries for a claim (never blocks)."""
         if not devices:
             return
-        self._pending[ref.uid] = _Pending(ref, devices)
+        self._pending[ref.uid] = _Pending(ref, devices, time.monotonic() + self.settle_s)
         self._kick()
+
+    def busy(self) -> None:
+        """The kubelet is calling (prepare, unprepare): writes wait for a quiet moment, off its way."""
+        self._activity = time.monotonic()
 
     def clear(self, ref: ClaimRef) -> None:
         """Remove the claim's entries (it was unprepared); free when they were never sent."""
@@ -158,7 +178,7 @@ class ClaimStatusWriter:
             return
         # Written (or being written), or not known to this process (maybe written by the one before a restart):
         # one call removes them.
-        self._pending[ref.uid] = _Pending(ref, None)
+        self._pending[ref.uid] = _Pending(ref, None, time.monotonic())
         self._kick()
 
     def _kick(self) -> None:
@@ -177,9 +197,18 @@ class ClaimStatusWriter:
         tasks: set[asyncio.Task[None]] = set()
         try:
             while True:
-                await self._wake.wait()
                 self._wake.clear()
-                for uid in [u for u in self._pending if u not in self._inflight]:
+                waiting = [p for u, p in self._pending.items() if u not in self._inflight]
+                if not waiting:
+                    await self._wake.wait()
+                    continue
+                now = time.monotonic()
+                due = min(p.due for p in waiting)
+                quiet_at = self._activity + self.quiet_s
+                if due > now or (quiet_at > now and now < due + self.max_defer_s):
+                    await _sleep_or(self._wake, max(due, min(quiet_at, due + self.max_defer_s)) - now)
+                    continue
+                for uid in [u for u, p in self._pending.items() if u not in self._inflight and p.due <= now]:
                     await self._slots.acquire()
                     item = self._pending.pop(uid, None)
                     if item is None:  # cleared for free while waiting for a slot
@@ -228,3 +257,9 @@ class ClaimStatusWriter:
             if ref.uid in self._pending:
                 self._wake.set()  # a newer state came while this one was in flight
             self._settle()
+
+
+async def _sleep_or(event: asyncio.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less if ``event`` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), max(seconds, 0.0))

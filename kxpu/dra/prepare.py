@@ -170,6 +170,8 @@ class Preparer:
         becomes that claim's one-line error). The claims are read from the API server before the lock is
         taken, and events posted after it is released: a slow API server never holds up the node's other
         prepares and unprepares."""
+        if self.status is not None:
+            self.status.busy()
         fetched = await self._fetch([r for r in refs if not self._known(r)])
         results: dict[str, Prepared] = {}
         failed: list[tuple[ClaimRef, str]] = []
@@ -767,6 +769,8 @@ class Preparer:
 
     # -- unprepare --------------------------------------------------------------------------------------
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
+        if self.status is not None:
+            self.status.busy()
         async with self._lock:
             return await self._unprepare_locked(refs)
 
