@@ -135,6 +135,31 @@ async def test_entries_wait_a_moment_and_for_the_kubelet_to_pause(tmp_path: Path
     assert rig.api.status_writes == 2
 
 
+async def test_a_device_turning_unhealthy_is_reported_in_the_claims_holding_it(rig: Rig) -> None:
+    from kxpu.model import Health
+
+    claim = rig.api.add_claim("c", [result("sim-1")])
+    other = rig.api.add_claim("d", [result("sim-2")])
+    assert all(a.error is None for a in (await rig.preparer.prepare([claim, other])).values())
+    await asyncio.wait_for(rig.writer.drained(), 5)
+    writes = rig.api.status_writes
+    sick = {**rig.devices, "sim-1": rig.devices["sim-1"].with_health(Health.UNHEALTHY, "xid 79")}
+    rig.preparer.update_devices(sick)
+    await asyncio.wait_for(rig.writer.drained(), 5)
+    (entry,) = rig.status("c")
+    healthy = {c["type"]: c for c in entry["conditions"]}["Healthy"]
+    assert (healthy["status"], healthy["reason"], healthy["message"]) == (
+        "False",
+        "DeviceUnhealthy",
+        "xid 79",
+    )
+    assert entry["data"]["health"] == "Unhealthy"
+    assert rig.api.status_writes == writes + 1  # only the claim holding the device
+    rig.preparer.update_devices(sick)  # the same snapshot again: nothing to say
+    await asyncio.wait_for(rig.writer.drained(), 5)
+    assert rig.api.status_writes == writes + 1
+
+
 async def test_a_hanging_api_server_never_holds_up_prepare(rig: Rig) -> None:
     never = asyncio.Event()
 

@@ -126,6 +126,7 @@ class Preparer:
         self.pool = pool
         self.backend = backend
         self._by_name: dict[str, Device] = {}
+        self.status: ClaimStatusWriter | None = None
         self.update_devices(devices or {})
         self.checkpoint = checkpoint
         self.cdi_dir = cdi_dir
@@ -135,8 +136,8 @@ class Preparer:
         # live under metadata_dir (the driver's directory in the kubelet's plugins directory).
         self.metadata: MetadataWriter | None = None
         self.metadata_dir = cdi_dir
-        # dra.claimStatus: the claim's status.devices, written in the background (kxpu.dra.claim_status)
-        self.status: ClaimStatusWriter | None = None
+        # dra.claimStatus: the claim's status.devices, written in the background (kxpu.dra.claim_status); set by
+        # the plugin (declared above, before the first update_devices)
         self.cdi_kind = claim_cdi_kind(driver)
         self.held: frozenset[str] = frozenset()  # IDs pods still hold through the device plugin
         # Devices claims of another driver of this node still hold (a driver renamed across a restart, its claims
@@ -158,8 +159,23 @@ class Preparer:
         )
 
     def update_devices(self, devices: Mapping[str, Device]) -> None:
-        """The backend's latest snapshot (ID → device)."""
-        self._by_name = {device_name(d.id): d for d in devices.values()}
+        """The backend's latest snapshot (ID → device). A device whose health changed is reported again in the
+        status of the claims prepared with it."""
+        before, self._by_name = self._by_name, {device_name(d.id): d for d in devices.values()}
+        if self.status is None or not before:
+            return
+        changed = {
+            name
+            for name, device in self._by_name.items()
+            if name in before
+            and (before[name].healthy, before[name].health_reason) != (device.healthy, device.health_reason)
+        }
+        if not changed:
+            return
+        for uid, claim in self.checkpoint.claims.items():
+            devices_of = [(d, self._by_name.get(d.device)) for d in claim.devices]
+            if any(d.device in changed for d, _ in devices_of) and all(found for _, found in devices_of):
+                self.status.prepared(ClaimRef(claim.namespace, uid, claim.name), self.pool, devices_of)
 
     def spec_path(self, uid: str) -> Path:
         return self.cdi_dir / f"kxpu-dra-{self.driver}-{uid}.json"
