@@ -243,7 +243,7 @@ def sample_costs(processes: int, samples: int) -> dict[str, dict[str, float]]:
     return figures
 
 
-async def daemon_rss(name: str, seconds: float) -> float:
+async def daemon_rss(name: str, seconds: float, telemetry: bool = True) -> float:
     resource, section, env = DAEMONS[name]
     base = Path(tempfile.mkdtemp(prefix="kx-bench-", dir="/tmp"))
     try:
@@ -253,7 +253,10 @@ async def daemon_rss(name: str, seconds: float) -> float:
             "devicePluginDir": str(base / "dp"),
             "resources": [{"name": resource, **section}],
             "podResourcesSocket": str(base / "pr.sock"),
-            "telemetry": {"enabled": True, "intervalSeconds": 0.5},
+            # not the host's: a node's prepared DRA claims would stop the daemon
+            "kubeletPluginsDir": str(base / "plugins"),
+            "pluginsRegistryDir": str(base / "registry"),
+            "telemetry": {"enabled": telemetry, "intervalSeconds": 0.5},
         }
         config.write_text(json.dumps(doc))
         daemon = DaemonProcess(config, base / "daemon.log", extra_args=["--log-level", "error"], env=env)
@@ -274,6 +277,10 @@ def backends_main(args: argparse.Namespace) -> int:
         what = f"{name} ({figures['devices']:.0f} devices, {figures['processes']:.0f} processes)"
         results[f"{what}: CPU ms per device per sample"] = figures["cpu_ms_per_device_per_sample"]
         results[f"{name}: daemon RSS MB, telemetry on"] = asyncio.run(daemon_rss(name, args.rss_seconds))
+        # what telemetry itself adds: the same daemon with it off
+        results[f"{name}: daemon RSS MB, telemetry off"] = asyncio.run(
+            daemon_rss(name, args.rss_seconds, telemetry=False)
+        )
     targets = {k: 1.0 for k in results if "CPU ms" in k} | {k: 60.0 for k in results if "RSS" in k}
     report(
         f"kxpu telemetry per backend over its fake, {args.processes} processes per device",

@@ -52,12 +52,19 @@ def exactly(device_class: str, count: int = 1, selector: str | None = None) -> d
 
 
 def claim_template(
-    e2e: E2E, name: str, requests: Sequence[Mapping[str, Any]], config: Sequence[Any] = ()
+    e2e: E2E,
+    name: str,
+    requests: Sequence[Mapping[str, Any]],
+    config: Sequence[Any] = (),
+    constraints: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """A ResourceClaimTemplate; ``requests``: ``[{"name": "npu", "exactly": {...}}]`` or ``firstAvailable``."""
+    """A ResourceClaimTemplate; ``requests``: ``[{"name": "npu", "exactly": {...}}]`` or ``firstAvailable``;
+    ``constraints``: ``[{"requests": [...], "matchAttribute": "<domain>/<name>"}]``."""
     spec: dict[str, Any] = {"devices": {"requests": [dict(r) for r in requests]}}
     if config:
         spec["devices"]["config"] = list(config)
+    if constraints:
+        spec["devices"]["constraints"] = [dict(c) for c in constraints]
     apply(
         e2e,
         {

@@ -1,7 +1,8 @@
 """Telemetry attributed on both paths on the real cluster: one daemon serves a resource through DRA (a whole
 device and two consumable-capacity shares of another, each by its own claim) and one through the device plugin;
 /metrics and ``kxpu status`` name each holder's pod, namespace, container and claim, from the real kubelet's
-PodResources API and its DRA checkpoint; after the pods are deleted their labels go."""
+PodResources API and the claims' reservedFor (never the kubelet's dra_manager_state); after the pods are deleted
+their labels go. A MIG partition made for a claim is held under its own UUID."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from e2e import dra, kube
 from e2e.conftest import E2E, kxpu_binary
 from e2e.test_dra import DRIVER, npus
 from e2e.test_mps import host_pids_of
+from kxpu.testing.fake_nvml import FAKE_NVML_CONTROL_ENV, FAKE_NVML_ENV, query_control, send_control
 
 FPGA = "example.com/fpga"
 ADDRESS = "127.0.0.1:9471"  # not the default: no clash with another daemon's
@@ -146,3 +148,71 @@ def test_dra_and_device_plugin_pods_carry_pod_container_and_claim(e2e: E2E, tmp_
     text = scrape()
     assert not series(text, "kxpu_container_memory_used_bytes", namespace="default")
     assert len(series(text, "kxpu_device_info")) == 4  # every device still reports
+
+
+def test_a_mig_partition_made_for_a_claim_carries_its_pod_and_claim(e2e: E2E, tmp_path: Path) -> None:
+    """A partition made at prepare (a MIG device over the fake NVML, dynamic MIG) is held under its own UUID by
+    its claim's pod, with the claim cache off: the pod UID comes from a GET of the claim's reservedFor."""
+    control = tmp_path / "nvml-control.sock"
+    gpu_driver = "gpu.nvidia.com"
+    dra.forget_driver(e2e, gpu_driver)
+    e2e.kxpu(
+        [
+            {
+                "name": "nvidia.com/gpu",
+                "nvidia": {"migStrategy": "dynamic"},
+                "serve": "dra",
+                "dra": {"claimCache": False},
+            }
+        ],
+        env={
+            FAKE_NVML_ENV: "h100-mig-dynamic",
+            FAKE_NVML_CONTROL_ENV: str(control),
+            "KXPU_HTTP_ADDRESS": ADDRESS,
+            "KXPU_HTTP_AUTH": "none",
+        },
+        telemetry={"enabled": True, "intervalSeconds": 0.5},
+    )
+    kube.wait_until(
+        "the MIG placements", lambda: len(dra.pool_devices(e2e.cluster, gpu_driver)) == 51 or None, 60
+    )
+    attr = f'device.attributes["{gpu_driver}"]'
+    cls = dra.device_class(e2e, "kxpu-mig", gpu_driver, f'{attr}.type == "mig"')
+    template = dra.claim_template(
+        e2e, "mig-1g", [{"name": "gpu", "exactly": dra.exactly(cls, 1, f'{attr}.migProfile == "1g.10gb"')}]
+    )
+    pod = dra.claim_pod(e2e, "mig", SCRIPT, template)
+    kube.wait_pod_phase(e2e.cluster, pod.name, "Running")
+    claim = f"default/{dra.pod_claim(e2e.cluster, pod.name)['metadata']['name']}"
+    (made,) = query_control(control, op="mig-state")
+    mig_uuid = made["cis"][0]["uuid"]
+    pid = host_pids_of(kube.get_pod(e2e.cluster, pod.name)["metadata"]["uid"])[0]
+    processes = [{"pid": pid, "memoryMiB": 300, "gi": made["gi"], "ci": made["cis"][0]["ci"]}]
+    send_control(control, op="processes", gpu=made["gpu"], processes=processes)
+
+    def used() -> list[dict[str, str]] | None:
+        return series(scrape(), "kxpu_container_memory_used_bytes", pod=pod.name) or None
+
+    (row,) = kube.wait_until("the MIG pod's processes on /metrics", used, timeout=60)
+    assert (row["device"], row["namespace"], row["container"], row["claim"]) == (
+        mig_uuid,
+        "default",
+        "main",
+        claim,
+    ), row
+    assert float(row["value"]) == 300 * MIB
+    (holder,) = series(scrape(), "kxpu_device_holder_info", pod=pod.name)
+    assert (holder["device"], holder["claim"]) == (mig_uuid, claim), holder
+    doc = node_status()
+    held = [h for d in doc["devices"] for h in d["holders"]]
+    assert any(h.startswith(f"default/{pod.name}/main [claim {claim}") for h in held), doc
+
+    # The pod ends: its processes go first (a GPU instance in use cannot be destroyed at unprepare).
+    send_control(control, op="processes", gpu=made["gpu"], processes=[])
+    kube.delete_pods(e2e.cluster, f"kxpu-e2e={e2e.label}")
+    kube.wait_until(
+        "no holder left on /metrics",
+        lambda: not series(scrape(), "kxpu_device_holder_info", pod=pod.name) or None,
+        timeout=90,
+    )
+    assert not series(scrape(), "kxpu_container_memory_used_bytes", pod=pod.name)

@@ -17,22 +17,20 @@ from pydantic.alias_generators import to_camel
 
 import kxpu.backends  # noqa: F401  (registers the built-in backends)
 from kxpu.backends.registry import BackendConfig, known_keys, lookup, refuse_set_while_off
-from kxpu.cdi.spec import validate_kind
+from kxpu.cdi.config import CdiConfig, validate_kind
 from kxpu.dra.config import (
     DEFAULT_KUBELET_PLUGINS_DIR,
     DEFAULT_PLUGINS_REGISTRY_DIR,
     DraConfig,
     check_dra_socket_paths,
+    default_driver_name,
 )
-from kxpu.dra.names import default_driver_name
 from kxpu.logs import one_line
 from kxpu.sharing.config import SharingConfig
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
-DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 KUBELET_CHECKPOINT = "kubelet_internal_checkpoint"
-KUBELET_DRA_CHECKPOINT = "dra_manager_state"  # in the kubelet's root directory (--root-dir)
 
 # The kubelet's rules for an extended resource name (v1helper.IsExtendedResourceName):
 # "domain/name", not in the kubernetes.io domains, not "requests.*", and "requests.<name>"
@@ -65,27 +63,6 @@ def check_extended_resource_name(name: str) -> str:
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
-
-
-class CdiConfig(_Model):
-    """``cdi:`` on a resource: write a CDI spec for its devices and allocate by CDI device name."""
-
-    enabled: bool = False
-    spec_dir: Path = DEFAULT_CDI_SPEC_DIR
-    kind: str | None = Field(default=None, description="vendor/class; default: the resource name")
-    annotations: bool = False
-
-    @field_validator("kind")
-    @classmethod
-    def _kind(cls, value: str | None) -> str | None:
-        return None if value is None else validate_kind(value)
-
-    @field_validator("spec_dir")
-    @classmethod
-    def _absolute(cls, value: Path) -> Path:
-        if not value.is_absolute():
-            raise ValueError(f"specDir {value} must be an absolute path")
-        return value
 
 
 class ResourceConfig(_Model):
@@ -200,20 +177,27 @@ class TelemetryConfig(_Model):
     kubelet_checkpoint: Path | None = Field(
         default=None, description="default: <devicePluginDir>/kubelet_internal_checkpoint"
     )
-    kubelet_dra_checkpoint: Path | None = Field(
-        default=None,
-        description="the kubelet's DRA checkpoint (claim → pod UIDs); default: <kubeletPluginsDir>/../dra_manager_state",
-    )
     events: bool = Field(
         default=False, description="a Warning event on a pod whose container exceeds its grant (API access)"
     )
 
-    @field_validator("host_root", "kubelet_checkpoint", "kubelet_dra_checkpoint")
+    @field_validator("host_root", "kubelet_checkpoint")
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
             raise ValueError(f"{value} must be an absolute path")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        # before 2026-11 the kubelet's dra_manager_state gave DRA claims their pod UIDs; reservedFor does now
+        if isinstance(data, dict) and ("kubeletDraCheckpoint" in data or "kubelet_dra_checkpoint" in data):
+            raise ValueError(
+                "kubeletDraCheckpoint is no longer read (a DRA claim's pods come from its status.reservedFor): "
+                "remove it"
+            )
+        return data
 
     @model_validator(mode="after")
     def _not_ignored(self) -> TelemetryConfig:
@@ -240,13 +224,6 @@ class Config(_Model):
     @property
     def kubelet_checkpoint(self) -> Path:
         return self.telemetry.kubelet_checkpoint or self.device_plugin_dir / KUBELET_CHECKPOINT
-
-    @property
-    def kubelet_dra_checkpoint(self) -> Path:
-        """The kubelet keeps it in its root directory, the parent of its plugins directory."""
-        return (
-            self.telemetry.kubelet_dra_checkpoint or self.kubelet_plugins_dir.parent / KUBELET_DRA_CHECKPOINT
-        )
 
     @field_validator("resources")
     @classmethod

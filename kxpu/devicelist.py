@@ -42,7 +42,7 @@ def device_to_json(device: Device) -> dict[str, Any]:
         "reason": None if device.healthy else (device.health_reason or "unknown"),
         "numa_nodes": list(device.numa_nodes),
     }
-    for key in ("model", "uuid", "index", "memory_mib", "cores", "pci_bus_id"):
+    for key in ("model", "uuid", "index", "memory_mib", "cores", "pci_bus_id", "pcie_root", "link_domain"):
         value = getattr(device, key)
         if value is not None:
             out[key] = value

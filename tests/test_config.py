@@ -269,3 +269,12 @@ def test_a_dra_section_without_serve_dra_is_one_warning(tmp_path: Path) -> None:
         )
         in line
     )
+
+
+def test_a_retired_telemetry_setting_says_to_remove_it() -> None:
+    """``telemetry.kubeletDraCheckpoint`` went when pod UIDs came from reservedFor: a file keeping it is told what
+    to do rather than shown pydantic's "extra inputs are not permitted"."""
+    body = config_with({"name": "a.b/c", "simulated": {"count": 1}})
+    body["telemetry"] = {"enabled": True, "kubeletDraCheckpoint": "/var/lib/kubelet/dra_manager_state"}
+    with pytest.raises(ConfigError, match=r"kubeletDraCheckpoint is no longer read .*: remove it"):
+        parse_config(body)

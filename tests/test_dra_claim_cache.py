@@ -116,6 +116,28 @@ def test_an_allocation_that_goes_or_moves_leaves_the_cache() -> None:
         assert len(cache) == 0, kind
 
 
+def test_the_pods_a_claim_is_reserved_for_outlive_its_prepare_and_follow_the_watch() -> None:
+    """Telemetry ties a DRA device's processes to pods by the claim's reservedFor pod UIDs: kept for every claim
+    allocated here, after prepare took the entry, updated by the watch, gone with the allocation."""
+    cache = ClaimCache(DRIVER, NODE)
+    one = [{"resource": "pods", "name": "p", "uid": "pod-1"}]
+    cache.apply("ADDED", claim("a", "u1", [result("sim-0")], reservedFor=one))
+    assert cache.pods_of("u1") is None, "answered before its first list ended"
+    cache.synced = True
+    assert cache.pods_of("u1") == frozenset({"pod-1"})
+    assert cache.take("default", "a", "u1") is not None
+    assert cache.pods_of("u1") == frozenset({"pod-1"}), (
+        "prepare took the entry, telemetry still needs the pods"
+    )
+    two = [*one, {"resource": "pods", "name": "q", "uid": "pod-2"}]
+    cache.apply("MODIFIED", claim("a", "u1", [result("sim-0")], reservedFor=two))
+    assert cache.pods_of("u1") == frozenset({"pod-1", "pod-2"})
+    cache.apply("ADDED", claim("b", "u2", [result("sim-0", pool="node-b")], reservedFor=one))
+    assert cache.pods_of("u2") is None, "a claim allocated on another node"
+    cache.apply("DELETED", claim("a", "u1", [result("sim-0")], reservedFor=two))
+    assert cache.pods_of("u1") is None
+
+
 async def test_prepare_answers_from_the_cache_without_reading_the_api(rig: Rig) -> None:
     cache: ClaimCache = rig.cache  # type: ignore[attr-defined]
     ref = ClaimRef("default", "u1", "a")  # not in the API at all

@@ -74,3 +74,34 @@ def test_an_unreadable_counter_costs_that_device_and_one_log_line(
     assert usage[2].memory_used_bytes is None and usage[3].memory_used_bytes == 0
     warned = [e for e in logs if e["event"] == "telemetry: a Neuron device's counters cannot be read"]
     assert len(warned) == 1 and "tensors/present" in warned[0]["error"]
+
+
+def test_a_sample_reads_counters_only_and_discovery_lists_again(
+    machines: Callable[[str], FakeNeuron], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cores and categories are fixed while the driver is loaded: listed at the first sample after a
+    discovery, not at every sample (which made Neuron the costliest backend to sample); the counters are read
+    fresh each time."""
+    from kxpu.backends.host import Host
+
+    listed: list[str] = []
+    listdir = Host.listdir
+
+    def counted(self: Host, path: str) -> list[str]:
+        listed.append(path)
+        return listdir(self, path)
+
+    monkeypatch.setattr(Host, "listdir", counted)
+    fake = machines("inf2-48xl")
+    neuron = backend(fake)
+    neuron.discover()
+    neuron.sample()
+    first = len(listed)
+    fake.set_memory(1, 0, {"tensors": 3 * GIB})
+    usage = {u.index: u for u in neuron.sample().devices}
+    assert len(listed) == first, listed[first:]
+    assert usage[1].memory_by_category["tensors"] == 3 * GIB
+    neuron.discover()
+    listed.clear()
+    neuron.sample()
+    assert listed, "a new discovery lists the layout again"

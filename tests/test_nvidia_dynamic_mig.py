@@ -164,6 +164,24 @@ def test_realize_creates_the_instance_and_release_destroys_it(h100: tuple[Nvidia
     assert fake.calls["nvmlGpuInstanceDestroy"] == 1
 
 
+def test_processes_on_an_instance_made_at_prepare_are_sampled_under_its_mig_uuid(
+    h100: tuple[NvidiaBackend, FakeNvml],
+) -> None:
+    """Telemetry ties a process to its claim's partition by the MIG device's UUID: NVML lists the process on the
+    GPU with its GPU and compute instance IDs, and the instance did not exist when the GPUs were discovered."""
+    from kxpu.testing.fake_nvml import FakeProcess
+
+    backend, fake = h100
+    ((device, handle),) = backend.realize([by_id(backend)["gpu-0-mig-3g40gb-9-4"]])
+    gi, ci = int(handle["gpuInstance"]), int(handle["computeInstance"])
+    fake.set_processes(0, [FakeProcess(4242, 300, gi=gi, ci=ci), FakeProcess(4343, 10)])
+    found = {p.pid: p for p in backend.sample().processes}
+    assert found[4242].uuid == device.uuid and found[4242].memory_used_bytes == 300 * 1024 * 1024
+    assert found[4343].uuid == fake.gpus[0].uuid  # not in a MIG instance: the GPU's
+    fake.set_processes(0, [])
+    backend.release([handle])
+
+
 def test_release_leaves_an_instance_that_is_not_its_own(h100: tuple[NvidiaBackend, FakeNvml]) -> None:
     backend, fake = h100
     ((_, handle),) = backend.realize([by_id(backend)["gpu-0-mig-1g10gb-19-0"]])

@@ -1,11 +1,13 @@
 """Telemetry attributed on both paths at once: a resource served through DRA (two shares of one device held by
 two claims, a whole device by a third) and one served through the device plugin, in one daemon, with the kubelet
-stand-in serving PodResources (``devices`` and ``dynamic_resources``) over its real socket and writing both of
-its checkpoints, and processes tied to pods through a fake host's /proc/<pid>/cgroup."""
+stand-in serving PodResources (``devices`` and ``dynamic_resources``) over its real socket and writing its device
+checkpoint, the claims' ``status.reservedFor`` in the fake API server (no kubelet DRA checkpoint: a real install
+cannot mount it), and processes tied to pods through a fake host's /proc/<pid>/cgroup."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import re
 import shutil
@@ -22,7 +24,6 @@ from prometheus_client import REGISTRY, generate_latest
 from kxpu.cli import _build
 from kxpu.config import Config, ResourceConfig, parse_config
 from kxpu.daemon import Daemon
-from kxpu.daemon.holders import parse_dra_state
 from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra.plugin import DraPlugin
 from kxpu.dra.prepare import ClaimRef
@@ -169,6 +170,8 @@ def share(device: str, memory: str, cores: str) -> dict[str, Any]:
 async def prepare_and_run(rig: Rig, name: str, result: dict[str, Any], container: str = "main") -> ClaimRef:
     """The claim prepared by the driver, then used by the running container of pod ``name`` (same namespace)."""
     ref = rig.api.add_claim(name, [result], namespace="ml")
+    # the scheduler reserves the claim for the pod before binding it
+    rig.api.reserve("ml", name, {name: rig.kubelet.pod_uids.setdefault(("ml", name), str(uuid.uuid4()))})
     answer = await rig.dra_kubelet.prepare(DRIVER, ref)
     assert not answer.claims[ref.uid].error, answer.claims[ref.uid].error
     device = ClaimDevice(DRIVER, NODE, result["device"], result.get("shareID"))
@@ -258,24 +261,22 @@ async def test_dra_shares_whole_devices_and_device_plugin_pods_are_attributed(ri
     assert b.uid in daemon.status()["resources"][NPU]["dra"]["claims"]
 
 
-def test_the_kubelets_dra_checkpoint_is_read_as_it_writes_it() -> None:
-    data = json.dumps(
-        {
-            "kind": "DRACheckpoint",
-            "apiVersion": "checkpoint.dra.kubelet.k8s.io/v1",
-            "ClaimInfoStateList": [
-                {
-                    "ClaimUID": "c1",
-                    "ClaimName": "a",
-                    "Namespace": "ml",
-                    "PodUIDs": {"p1": {}, "p2": {}},
-                    "DriverState": {"npu.example.com": {"Devices": [{"PoolName": "n", "DeviceName": "d"}]}},
-                },
-                {"ClaimName": "no-uid"},
-            ],
+def test_only_pods_in_reserved_for_are_pod_uids() -> None:
+    from kxpu.dra.claim_cache import reserved_pods
+
+    claim = {
+        "status": {
+            "reservedFor": [
+                {"resource": "pods", "name": "a", "uid": "p1"},
+                {"resource": "pods", "name": "b", "uid": "p2"},
+                {"apiGroup": "example.com", "resource": "pods", "name": "x", "uid": "not-a-pod"},
+                {"resource": "jobs", "name": "y", "uid": "not-a-pod-either"},
+                {"resource": "pods", "name": "no-uid"},
+            ]
         }
-    )
-    assert parse_dra_state(json.dumps({"Data": data, "Checksum": 1})) == {"c1": frozenset({"p1", "p2"})}
+    }
+    assert reserved_pods(claim) == {"p1", "p2"}
+    assert reserved_pods({"status": {}}) == frozenset() and reserved_pods({}) == frozenset()
 
 
 async def test_a_container_that_starts_after_its_allocation_is_recorded_is_found(
@@ -320,8 +321,7 @@ async def test_a_container_that_starts_after_its_allocation_is_recorded_is_found
 
 
 def test_a_claim_shared_by_two_pods_is_settled_by_elimination() -> None:
-    """One ResourceClaim used by two pods: the kubelet's DRA checkpoint gives both pod UIDs, PodResources both
-    names; a pod known from the device plugin (or its other claim) leaves the other UID to the other pod."""
+    """One ResourceClaim used by two pods: its reservedFor gives both pod UIDs, PodResources both names; a pod known from the device plugin (or its other claim) leaves the other UID to the other pod."""
     from kxpu.daemon.holders import ClaimPlacement, DraClaims, build_dra_holders
     from kxpu.dra.checkpoint import PreparedClaim, PreparedDevice
 
@@ -373,3 +373,69 @@ def test_partitions_made_for_claims_are_held_under_their_own_uuid() -> None:
     assert (holders["pod-a"].uuids, holders["pod-a"].pod_uid) == (frozenset({"MIG-a"}), "p-a")
     assert (holders["pod-b"].uuids, holders["pod-b"].claim) == (frozenset({"MIG-b"}), "ml/gpu-0-mig-1g-b")
     assert not holders["pod-a"].grants  # a partition is its whole: no share grant
+
+
+async def test_claim_pods_come_from_the_synced_cache_else_from_a_get(tmp_path: Path) -> None:
+    """The pod UIDs of a prepared claim: from the claim cache while it is synced (no API read), from a GET of the
+    claim otherwise; a claim recreated under the same name (another UID) gives nothing, nor does one not prepared."""
+    from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+    from kxpu.dra.checkpoint import PreparedClaim
+    from kxpu.dra.claim_cache import ClaimCache
+
+    api = FakeDraApi({NODE: "uid-a"})
+    ref = api.add_claim("a", [{"request": "npu", "driver": DRIVER, "pool": NODE, "device": "npu-0"}], "ml")
+    api.reserve("ml", "a", {"pod-a": "uid-pod-a"})
+    cache = ClaimCache(DRIVER, NODE)
+    plugin = DraPlugin(
+        NPU,
+        DRIVER,
+        NODE,
+        SimulatedBackend(SimulatedConfig(count=1, model="npu")),
+        DeviceSnapshot(),
+        tmp_path / "plugins",
+        tmp_path / "registry",
+        api,
+        api,
+        claim_cache=cache,
+    )
+    plugin.checkpoint.claims[ref.uid] = PreparedClaim("ml", "a", None)
+    assert await plugin.claim_pods([ref.uid, "not-prepared"]) == {ref.uid: frozenset({"uid-pod-a"})}  # a GET
+    cached = copy.deepcopy(api.claims[("ml", "a")])
+    cached["status"]["reservedFor"].append({"resource": "pods", "name": "pod-b", "uid": "uid-pod-b"})
+    cache.apply("MODIFIED", cached)
+    cache.synced = True
+    api.fail_next = RuntimeError("no API read while the cache is synced")
+    assert await plugin.claim_pods([ref.uid]) == {ref.uid: frozenset({"uid-pod-a", "uid-pod-b"})}
+    api.fail_next = None
+    cache.forget()
+    api.claims[("ml", "a")]["metadata"]["uid"] = "recreated"
+    assert await plugin.claim_pods([ref.uid]) == {}
+
+
+async def test_pod_resources_are_read_over_one_kept_channel_that_survives_a_kubelet_restart(
+    workdir: Path, plugin_dir: Path
+) -> None:
+    """Telemetry asks PodResources every minute or more often: over one kept channel (a channel per read kept
+    about 0.05 MB of RSS per 100 reads), opened again after a failed read, so a restarted kubelet is found."""
+    from kxpu.daemon.holders import HolderError, PodResourcesClient
+
+    socket = workdir / "pr.sock"
+    kubelet = KubeletStandIn(plugin_dir, pod_resources_socket=socket)
+    await kubelet.start()
+    client = PodResourcesClient()
+    try:
+        kubelet.assignments[("ml", "p", "main")] = [("x.com/npu", ["n0"])]
+        first = await client.read(socket)
+        channel = client._channel
+        assert (
+            (await client.read(socket)).devices == first.devices == {("x.com/npu", "n0"): ("ml", "p", "main")}
+        )
+        assert client._channel is channel, "a second read opened another channel"
+        await kubelet.stop()
+        with pytest.raises(HolderError, match="kubelet PodResources API at"):
+            await client.read(socket, timeout=2)
+        await kubelet.start()  # a new socket at the same path
+        assert (await client.read(socket)).devices == first.devices
+    finally:
+        await client.close()
+        await kubelet.stop()

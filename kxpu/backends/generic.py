@@ -3,7 +3,11 @@
 Only character and block devices are devices: a container runtime refuses anything else as a device
 ("not a device node"), so a regular file, FIFO, socket or directory that matches a glob is skipped, with
 one warning per path. Nodes that appear or disappear are picked up through inotify on their directories
-and reported at once. NUMA affinity comes from sysfs.
+and reported at once. NUMA affinity comes from sysfs, and so does the PCI function a node belongs to
+(``/sys/dev/<char|block>/<major>:<minor>`` links into ``/sys/devices``; the nearest PCI function above the
+node, e.g. a NIC's for ``/dev/infiniband/uverbs0``): its address and PCIe root complex are published as
+``resource.kubernetes.io/pciBusID`` and ``pcieRoot``, so a claim can pair the device with a GPU behind the
+same host bridge.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
+from kxpu.backends.host import Host
 from kxpu.backends.mounts import MountConfig
+from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import BackendConfig, register_backend
 from kxpu.backends.templates import EnvTemplates, check_template, render_env
 from kxpu.fswatch import directory_changes
@@ -31,6 +37,7 @@ from kxpu.model import (
     Device,
     DeviceNode,
     numa_packed,
+    pci_address,
 )
 
 log = get_logger("kxpu.backends.generic")
@@ -74,6 +81,17 @@ class DeviceGroup(BackendConfig):
 
 class GenericConfig(BackendConfig):
     groups: list[DeviceGroup] = Field(min_length=1)
+    sysfs_root: Path = Field(
+        default=Path("/sys"),
+        description="where sysfs is read (NUMA node, PCI parent); the device globs stay host paths",
+    )
+
+    @field_validator("sysfs_root")
+    @classmethod
+    def _sysfs(cls, value: Path) -> Path:
+        if not value.is_absolute() or value.name != "sys":
+            raise ValueError(f"sysfsRoot {value} must be an absolute path ending in /sys")
+        return value
 
 
 def device_name(path: str) -> str:
@@ -103,13 +121,31 @@ def _device_kind(path: str) -> tuple[str, os.stat_result] | str:
     return "not a device node"
 
 
-def _numa_of(kind: str, st: os.stat_result) -> tuple[int, ...]:
-    sysfs = Path(f"/sys/dev/{kind}/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/device/numa_node")
+def _numa_of(host: Host, kind: str, st: os.stat_result) -> tuple[int, ...]:
+    sysfs = host.path(f"/sys/dev/{kind}/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/device/numa_node")
     try:
         node = int(sysfs.read_text().strip())
     except (OSError, ValueError):
         return ()
     return (node,) if 0 <= node <= MAX_NUMA_NODE else ()
+
+
+def _pci_parent(host: Host, kind: str, st: os.stat_result) -> str | None:
+    """The PCI function a device node belongs to: the last PCI address on its sysfs path
+    (``/sys/dev/char/231:192`` → ``../../devices/pci0000:80/0000:80:01.0/0000:81:00.0/infiniband_verbs/uverbs0``
+    → ``0000:81:00.0``); None for a node with no PCI parent (``/dev/null``, a virtual device)."""
+    try:
+        target = os.readlink(host.path(f"/sys/dev/{kind}/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"))
+    except OSError:
+        return None
+    parts = target.split("/")
+    if "devices" not in parts:
+        return None
+    below = parts[parts.index("devices") + 1 :]
+    if not below or not below[0].startswith("pci"):
+        return None
+    found = [p for p in below if pci_address(p) == p]
+    return found[-1] if found else None
 
 
 @register_backend("generic", GenericConfig)
@@ -120,6 +156,8 @@ class GenericBackend(Backend):
         self._where: dict[str, tuple[DeviceGroup, str]] = {}
         self._skipped: set[str] = set()  # matches that are not device nodes, warned about once
         self._unmatched: list[str] = []  # globs that match nothing, warned about once (until they match)
+        self._sysfs = Host(config.sysfs_root.parent)
+        self._placement = PlacementReader(self._sysfs)
 
     def config_warnings(self) -> list[str]:
         return [f"device glob {pattern} matches nothing" for pattern in self._unmatched]
@@ -152,7 +190,9 @@ class GenericBackend(Backend):
                         )
                     continue
                 name = device_name(path)
-                numa = _numa_of(*kind)
+                numa = _numa_of(self._sysfs, *kind)
+                bus_id = _pci_parent(self._sysfs, *kind)
+                root = self._placement.pcie_root(bus_id)
                 ids = (
                     [name]
                     if group.count == 1
@@ -171,7 +211,15 @@ class GenericBackend(Backend):
                         log.error("device path too long for a device ID; skipping", path=path)
                         continue
                     where[device_id] = (group, path)
-                    devices.append(Device(id=device_id, numa_nodes=numa, extra={"path": path}))
+                    devices.append(
+                        Device(
+                            id=device_id,
+                            numa_nodes=numa,
+                            pci_bus_id=bus_id,
+                            pcie_root=root,
+                            extra={"path": path},
+                        )
+                    )
         self._where = where
         self._skipped = skipped
         self._unmatched = unmatched

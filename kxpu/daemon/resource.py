@@ -17,16 +17,16 @@ import itertools
 import os
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from kxpu.backoff import Backoff
 from kxpu.config import ResourceConfig
 from kxpu.daemon import metrics
-from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.registration import FileIdentity, file_identity, register
 from kxpu.daemon.servicer import DevicePluginServicer
 from kxpu.daemon.serving import stop_server
@@ -67,6 +67,10 @@ class DraServer(Protocol):
     def poke(self) -> None: ...
 
     async def withdraw(self) -> None: ...
+
+    async def claim_pods(self, uids: Collection[str]) -> dict[str, frozenset[str]]:
+        """Prepared claim UID → the UIDs of the pods its ``status.reservedFor`` names (telemetry's pod UIDs)."""
+        ...
 
     def describe(self) -> dict[str, Any]:
         """For the daemon's /status: the driver, its pool and the prepared claims."""
@@ -490,6 +494,7 @@ class ResourceRunner:
                 await self._poked.wait()
         finally:
             if server is not None:
+                servicer.close_streams()  # first: the kubelet lets go of this plugin at once
                 await stop_server(server, 0.5)
             if served is not None and file_identity(self.socket_path) == served:
                 with contextlib.suppress(FileNotFoundError):

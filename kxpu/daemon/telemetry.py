@@ -3,7 +3,8 @@
 Runs as one task on the daemon's loop when ``telemetry.enabled``. Each tick (every
 ``intervalSeconds``) it calls ``sample()`` of each running resource's ``TelemetrySource`` (found
 through wrappers, ``find_capability``) in a worker thread, joins the processes with the pods that
-hold the devices (``holders.py``: cgroups, the kubelet's checkpoint, PodResources), and publishes one
+hold the devices (``holders.py``: cgroups, the kubelet's checkpoint, PodResources, DRA claims' reservedFor), and
+publishes one
 immutable snapshot that ``/metrics`` (``telemetry_metrics.py``) and ``/status`` read. Between ticks
 nothing runs; the checkpoint is parsed and PodResources asked only when the checkpoint changed (or
 once a minute), so a tick costs the backends' queries and a small file read per process.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,25 +27,25 @@ from kxpu.config import Config
 from kxpu.daemon import telemetry_metrics as metrics
 from kxpu.daemon.holders import (
     CheckpointReader,
+    ClaimPods,
     DraClaims,
-    DraStateReader,
     Holder,
     HolderError,
+    PodResourcesClient,
     PodResourcesView,
     ProcessOwner,
     attribute,
     build_dra_holders,
     build_holders,
     owner_of,
-    read_pod_resources,
+    placed_claims,
 )
+from kxpu.daemon.telemetry_snapshot import ContainerKey, ContainerUsage, GrantExceeded, ProcessView, Snapshot
 from kxpu.logs import error_text, get_logger, log_failure
 from kxpu.model import Backend, Device, DeviceUsage, Grant, ProcessUsage, TelemetrySource, find_capability
 
 log = get_logger("kxpu.daemon.telemetry")
 
-ContainerKey = tuple[str, str, str, str, str, str]  # resource, device UUID, namespace, pod, container, claim
-COMPUTE_MARGIN = 0.05  # per-process SM utilization is a sampled figure; don't flag noise as an excursion
 PLACEMENT_REFRESH_S = 60.0
 # The kubelet records an allocation (its checkpoints, the driver's prepared claims) before the container starts,
 # and PodResources lists the container only once it runs: for a while after a change, ask again every few seconds.
@@ -61,96 +62,8 @@ class SourceView:
     devices: Mapping[str, Device]  # the resource's snapshot: kubelet device ID → device
     driver: str | None = None  # served through DRA: the driver's name
     claims: Mapping[str, Any] = field(default_factory=dict)  # DRA: claim UID → PreparedClaim (its checkpoint)
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessView:
-    resource: str
-    usage: ProcessUsage
-    namespace: str
-    pod: str
-    container: str
-    claim: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ContainerUsage:
-    """One container's use of one device: the sum over its processes there."""
-
-    resource: str
-    uuid: str
-    namespace: str
-    pod: str
-    container: str
-    claim: str
-    pod_uid: str
-    pids: tuple[int, ...]
-    memory_used_bytes: int | None
-    compute_utilization: float | None
-    grant: Grant | None
-
-    @property
-    def memory_exceeded(self) -> bool:
-        g = self.grant
-        return (
-            g is not None
-            and g.memory_bytes is not None
-            and self.memory_used_bytes is not None
-            and self.memory_used_bytes > g.memory_bytes
-        )
-
-    @property
-    def compute_exceeded(self) -> bool:
-        g = self.grant
-        return (
-            g is not None
-            and g.compute_ratio is not None
-            and 0 < g.compute_ratio < 1
-            and self.compute_utilization is not None
-            and self.compute_utilization > g.compute_ratio + COMPUTE_MARGIN
-        )
-
-    @property
-    def key(self) -> ContainerKey:
-        return (self.resource, self.uuid, self.namespace, self.pod, self.container, self.claim)
-
-
-@dataclass(frozen=True, slots=True)
-class GrantExceeded:
-    """A container went above its grant (one report per excursion)."""
-
-    usage: ContainerUsage
-    kind: str  # "memory" or "compute"
-
-    @property
-    def message(self) -> str:
-        u, g = self.usage, self.usage.grant
-        assert g is not None
-        if self.kind == "memory":
-            used, granted = _gib(u.memory_used_bytes), _gib(g.memory_bytes)
-            what = f"uses {used} of device memory, granted {granted}"
-        else:
-            used_pct = round((u.compute_utilization or 0) * 100)
-            what = f"uses {used_pct}% of the device's compute, granted {round((g.compute_ratio or 0) * 100)}%"
-        return (
-            f"container {u.container or '?'} of pod {u.namespace}/{u.pod} {what} on {u.uuid} ({u.resource})"
-        )
-
-
-def _gib(value: int | None) -> str:
-    return "?" if value is None else f"{value / 2**30:.2f} GiB"
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    taken_at: float = 0.0  # time.time() of the tick
-    duration_s: float = 0.0
-    devices: tuple[tuple[str, DeviceUsage], ...] = ()  # (resource, figures)
-    processes: tuple[ProcessView, ...] = ()
-    containers: tuple[ContainerUsage, ...] = ()
-    holders: tuple[Holder, ...] = ()  # every container holding a sampled device, processes or not
-    errors: tuple[str, ...] = ()
-    over: frozenset[tuple[ContainerKey, str]] = field(default_factory=frozenset)
+    # DRA: claim UIDs → the UIDs of the pods each is reserved for (the driver's claim cache, or the API)
+    claim_pods: Callable[[Collection[str]], Awaitable[Mapping[str, frozenset[str]]]] | None = None
 
 
 ExceededHandler = Callable[[GrantExceeded], Awaitable[None]]
@@ -168,10 +81,12 @@ class TelemetrySampler:
         self._on_exceeded = on_exceeded
         self.latest = Snapshot()
         self._checkpoint: CheckpointReader | None = None
-        self._dra_state: DraStateReader | None = None
+        # claim UID → (the pods PodResources placed on it when asked, the pod UIDs its reservedFor gave)
+        self._claim_pods: dict[str, tuple[frozenset[tuple[str, str]], frozenset[str]]] = {}
         self._placed = PodResourcesView()
+        self._pod_resources = PodResourcesClient()  # one channel for every read
         self._placed_at = 0.0
-        self._placed_generation: tuple[int, int, frozenset[str]] | None = None
+        self._placed_generation: tuple[int, frozenset[str]] | None = None
         self._changed_at = 0.0  # when the kubelet's or a driver's records last changed
         self._logged_errors: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
@@ -190,6 +105,7 @@ class TelemetrySampler:
                 await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
         finally:
             metrics.COLLECTOR.source = None
+            await self._pod_resources.close()
 
     # ------------------------------------------------------------------ one tick
     async def tick(self) -> Snapshot:
@@ -252,7 +168,7 @@ class TelemetrySampler:
         self, config: Config, views: Sequence[SourceView], errors: list[str]
     ) -> dict[str, list[Holder]]:
         """Pod UID → the containers holding the sampled resources' devices ("" for DRA holders whose pod UID
-        the kubelet's DRA checkpoint does not tell)."""
+        their claim's reservedFor did not tell)."""
         path = config.kubelet_checkpoint
         if self._checkpoint is None or self._checkpoint.path != path:
             self._checkpoint = CheckpointReader(path)
@@ -262,47 +178,66 @@ class TelemetrySampler:
         except HolderError as exc:
             self._error(errors, "checkpoint", str(exc))
         dra_views = [v for v in views if v.driver is not None]
-        dra_state: DraStateReader | None = None
-        if dra_views:
-            dra_path = config.kubelet_dra_checkpoint
-            if self._dra_state is None or self._dra_state.path != dra_path:
-                self._dra_state = DraStateReader(dra_path)
-            dra_state = self._dra_state
-            try:
-                await asyncio.to_thread(dra_state.refresh)
-            except HolderError as exc:
-                self._error(errors, "checkpoint", str(exc))
         # PodResources is asked again when what the kubelet or a DRA driver recorded changed, every few seconds for
         # a minute after that (containers start after their allocation is recorded), and every minute.
-        generation = (
-            reader.generation,
-            dra_state.generation if dra_state is not None else 0,
-            frozenset(uid for v in dra_views for uid in v.claims),
-        )
+        generation = (reader.generation, frozenset(uid for v in dra_views for uid in v.claims))
         now = time.monotonic()
         if generation != self._placed_generation:
             self._changed_at = now
         since_asked = now - self._placed_at
         settling = now - self._changed_at < PLACEMENT_SETTLE_S and since_asked >= PLACEMENT_SETTLE_EVERY_S
+        asked = False
         if generation != self._placed_generation or since_asked > PLACEMENT_REFRESH_S or settling:
             try:
-                self._placed = await read_pod_resources(config.pod_resources_socket)
+                self._placed = await self._pod_resources.read(config.pod_resources_socket)
                 self._placed_generation = generation
                 self._placed_at = time.monotonic()
+                asked = True
             except HolderError as exc:
                 self._error(errors, "pod-resources", str(exc))
         uuid_of = {v.resource: {i: d.uuid or d.id for i, d in v.devices.items()} for v in views}
         by_pod = build_holders(reader.entries, self._placed.devices, uuid_of)
         if dra_views:
             known = {(h.namespace, h.pod): uid for uid, hs in by_pod.items() for h in hs}
-            for holder in build_dra_holders(
-                [DraClaims(v.resource, v.driver or "", v.claims, uuid_of[v.resource]) for v in dra_views],
-                self._placed.claims,
-                dra_state.value if dra_state is not None else {},
-                known,
-            ):
+            sources = [
+                DraClaims(v.resource, v.driver or "", v.claims, uuid_of[v.resource]) for v in dra_views
+            ]
+            if asked:
+                await self._read_claim_pods(dra_views, sources, errors)
+            claim_pods: ClaimPods = {uid: pods for uid, (_, pods) in self._claim_pods.items()}
+            for holder in build_dra_holders(sources, self._placed.claims, claim_pods, known):
                 by_pod.setdefault(holder.pod_uid, []).append(holder)
         return by_pod
+
+    async def _read_claim_pods(
+        self, views: Sequence[SourceView], sources: Sequence[DraClaims], errors: list[str]
+    ) -> None:
+        """The pod UIDs of each claim in use, from its reservedFor, asked when PodResources was: only for claims
+        whose pods changed or are not all named yet (a cache lookup, or a GET where the cache is off)."""
+        placed = placed_claims(sources, self._placed.claims)
+        self._claim_pods = {uid: seen for uid, seen in self._claim_pods.items() if uid in placed}
+        for view in views:
+            wanted = [
+                uid
+                for uid in view.claims
+                if uid in placed
+                and (
+                    (seen := self._claim_pods.get(uid)) is None
+                    or seen[0] != placed[uid]
+                    or len(seen[1]) < len(placed[uid])
+                )
+            ]
+            if not wanted or view.claim_pods is None:
+                continue
+            try:
+                found = await view.claim_pods(wanted)
+            except Exception as exc:
+                self._error(
+                    errors, "claims", f"{view.resource}: reading its claims' reservedFor: {error_text(exc)}"
+                )
+                continue
+            for uid, pods in found.items():
+                self._claim_pods[uid] = (placed[uid], pods)
 
     def _error(self, errors: list[str], source: str, message: str) -> None:
         errors.append(message)

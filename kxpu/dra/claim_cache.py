@@ -24,19 +24,22 @@ watch would have to trail the scheduler, the binding and the kubelet's own read 
 A miss is never an error: the preparer reads the claim from the API server (a GET), as without a cache.
 ``allocation_for`` checks a hit exactly as it checks a GET's answer.
 
+Telemetry reads one more thing of each claim allocated here: the UIDs of the pods in its ``status.reservedFor``
+(``pods_of``), kept apart from the prepare entries (a frozenset per claim, kept after ``take``), so that samples
+of a DRA-allocated device are tied to the pods whose processes run on it.
+
 The cache needs ``list`` and ``watch`` on resourceclaims (read-only).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from kxpu.daemon.backoff import Backoff
 from kxpu.dra import metrics
 from kxpu.dra.metadata import POD_CLAIM_NAME
-from kxpu.logs import error_text, get_logger
+from kxpu.kube.watch import keep_watching
+from kxpu.logs import get_logger
 
 log = get_logger("kxpu.dra.claim_cache")
 
@@ -45,7 +48,7 @@ _RESULT_KEYS = ("driver", "request", "device", "pool", "shareID", "adminAccess",
 
 
 class ClaimWatchApi(Protocol):
-    """Listing and watching every ResourceClaim (``kxpu.dra.kube.DraKube`` against the API server)."""
+    """Listing and watching every ResourceClaim (``kxpu.kube.dra.DraKube`` against the API server)."""
 
     async def list_claims(self, each: Callable[[Mapping[str, Any]], None]) -> str | None:
         """Call ``each`` for every claim of the cluster (paged); the list's resourceVersion."""
@@ -63,6 +66,22 @@ def _get(obj: Any, *path: str) -> Any:
             return None
         obj = obj.get(key)
     return obj
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> frozenset[str]:
+    """The UIDs of the pods ``status.reservedFor`` names (entries ``{resource: pods, name, uid}`` of the core
+    group; other consumers are not pods)."""
+    reserved = _get(claim, "status", "reservedFor")
+    if not isinstance(reserved, Sequence):
+        return frozenset()
+    return frozenset(
+        r["uid"]
+        for r in reserved
+        if isinstance(r, Mapping)
+        and r.get("resource") == "pods"
+        and not r.get("apiGroup")
+        and isinstance(r.get("uid"), str)
+    )
 
 
 def trim(claim: Mapping[str, Any], driver: str, pool: str) -> dict[str, Any] | None:
@@ -115,6 +134,7 @@ class ClaimCache:
         self.api = api
         self.synced = False
         self._claims: dict[str, dict[str, Any]] = {}  # UID → trimmed claim
+        self._pods: dict[str, frozenset[str]] = {}  # UID → its reservedFor pod UIDs, while allocated here
         self._size = metrics.CLAIM_CACHE_CLAIMS.labels(driver)
         self.log = log.bind(driver=driver)
 
@@ -131,6 +151,11 @@ class ClaimCache:
         self._size.set(len(self._claims))
         return claim
 
+    def pods_of(self, uid: str) -> frozenset[str] | None:
+        """The UIDs of the pods claim ``uid`` is reserved for, while it is allocated on this node and the cache
+        is synced; None: ask the API server."""
+        return self._pods.get(uid) if self.synced else None
+
     def apply(self, kind: str, claim: Mapping[str, Any]) -> None:
         """One watch event."""
         uid = _get(claim, "metadata", "uid")
@@ -139,8 +164,10 @@ class ClaimCache:
         kept = trim(claim, self.driver, self.pool) if kind != "DELETED" else None
         if kept is None:
             self._claims.pop(uid, None)
+            self._pods.pop(uid, None)
         else:
             self._claims[uid] = kept
+            self._pods[uid] = reserved_pods(claim)
         self._size.set(len(self._claims))
 
     def forget(self) -> None:
@@ -152,15 +179,17 @@ class ClaimCache:
         assert self.api is not None
         self.synced = False
         fresh: dict[str, dict[str, Any]] = {}
+        pods: dict[str, frozenset[str]] = {}
 
         def keep(claim: Mapping[str, Any]) -> None:
             uid = _get(claim, "metadata", "uid")
             kept = trim(claim, self.driver, self.pool)
             if isinstance(uid, str) and kept is not None:
                 fresh[uid] = kept
+                pods[uid] = reserved_pods(claim)
 
         version = await self.api.list_claims(keep)
-        self._claims = fresh
+        self._claims, self._pods = fresh, pods
         self._size.set(len(fresh))
         self.synced = True
         return version
@@ -168,24 +197,20 @@ class ClaimCache:
     async def run(self) -> None:
         """List, then follow the watch; on any break, list again (with backoff while it keeps failing)."""
         assert self.api is not None
-        backoff = Backoff(initial=0.5, maximum=30.0)
-        while True:
-            try:
-                version = await self.relist()
-                self.log.debug("claim cache synced", claims=len(self._claims))
-                async for kind, claim in self.api.watch_claims(version):
-                    backoff.reset()
-                    self.apply(kind, claim)
-                delay = 0.0
-            except asyncio.CancelledError:
-                self.forget()
-                raise
-            except Exception as exc:  # 410 Gone, the connection, a 403 without list/watch: GET meanwhile
-                delay = backoff.next_delay()
-                self.log.warning(
-                    "watching ResourceClaims failed; prepare reads claims from the API server until it is back",
-                    error=error_text(exc),
-                    retry_in_s=round(delay, 2),
-                )
-            self.forget()
-            await asyncio.sleep(delay)
+        api = self.api
+
+        async def watch_round(delivered: Callable[[], None]) -> None:
+            version = await self.relist()
+            self.log.debug("claim cache synced", claims=len(self._claims))
+            async for kind, claim in api.watch_claims(version):
+                delivered()
+                self.apply(kind, claim)
+
+        def failed(error: str, retry_in_s: float) -> None:  # 410 Gone, the connection, a 403: GET meanwhile
+            self.log.warning(
+                "watching ResourceClaims failed; prepare reads claims from the API server until it is back",
+                error=error,
+                retry_in_s=retry_in_s,
+            )
+
+        await keep_watching(watch_round, failed, after=self.forget)

@@ -2,7 +2,7 @@
 
 Prepare: read the claim from the API server, keep only this driver's devices in this node's pool
 (``claims.allocation_for`` refuses anything else), look each device up in the backend's current
-snapshot (unknown or unhealthy → refused), refuse a device another claim already holds here (the
+snapshot (unknown → refused; unhealthy → refused unless its taint lets the claim have it: ``kxpu.dra.taints``), refuse a device another claim already holds here (the
 driver is the last line of defence against a double allocation), ask the backend for the container
 edits of each request's devices, write one CDI spec file for the claim and record the claim in the
 checkpoint. Answered per claim: one claim's failure, whatever it is (a refusal, the API server's error, a
@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from kxpu.atomicfile import write_atomically
 from kxpu.cdi.spec import build_spec, qualified_name, validate_spec
@@ -60,6 +60,7 @@ from kxpu.dra.metadata import MetadataDevice, MetadataWriter, pod_claim_name
 from kxpu.dra.names import claim_cdi_device, claim_cdi_kind, device_name, parent_request
 from kxpu.dra.quantity import as_mib, parse_quantity
 from kxpu.dra.slices import SharePolicy, device_attributes
+from kxpu.dra.taints import TaintPolicy, tolerates
 from kxpu.logs import error_text, get_logger, one_line
 from kxpu.model import (
     AsyncAllocator,
@@ -73,9 +74,6 @@ from kxpu.model import (
     ShareAllocator,
     share_limit_env,
 )
-
-if TYPE_CHECKING:
-    from kxpu.dra.claim_status import ClaimStatusWriter
 
 log = get_logger("kxpu.dra.prepare")
 
@@ -103,6 +101,20 @@ class ClaimSource(Protocol):
         ...
 
 
+class StatusReporter(Protocol):
+    """Where prepared claims are reported back (``kxpu.dra.claim_status.ClaimStatusWriter``): never blocks."""
+
+    def busy(self) -> None:
+        """The kubelet is calling."""
+        ...
+
+    def prepared(
+        self, ref: ClaimRef, node: str, devices: Sequence[tuple[PreparedDevice, Device | None]]
+    ) -> None: ...
+
+    def clear(self, ref: ClaimRef) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     devices: tuple[PreparedDevice, ...] = ()
@@ -120,13 +132,15 @@ class Preparer:
         cdi_dir: Path,
         claims: ClaimSource,
         shares: DraSharesConfig | None = None,
+        taints: TaintPolicy | None = None,
     ) -> None:
         self.driver = driver
+        self.taints = taints or TaintPolicy()
         self.shares = shares
         self.pool = pool
         self.backend = backend
         self._by_name: dict[str, Device] = {}
-        self.status: ClaimStatusWriter | None = None
+        self.status: StatusReporter | None = None
         self.update_devices(devices or {})
         self.checkpoint = checkpoint
         self.cdi_dir = cdi_dir
@@ -191,7 +205,11 @@ class Preparer:
         fetched = await self._fetch([r for r in refs if not self._known(r)])
         results: dict[str, Prepared] = {}
         failed: list[tuple[ClaimRef, str]] = []
-        async with self._lock:
+        async with self._lock, self.checkpoint.exclusive():
+            # Known when looked at, gone since: another process of this driver (kxpu.dra.instances) unprepared it.
+            missing = [r for r in refs if r.uid not in fetched and not self._known(r)]
+            if missing:
+                fetched.update(await self._fetch(missing))
             for ref in refs:
                 started = time.perf_counter()
                 try:
@@ -389,6 +407,13 @@ class Preparer:
                 )
         return prepared, entries
 
+    def _admits_faulty(self, device: Device, allocated: AllocatedDevice) -> bool:
+        """An unhealthy device is still prepared where its taint lets the scheduler choose it: the fault's effect
+        is None (informational), or the request tolerates the taint kxpu publishes for it (a diagnostics pod).
+        A claim allocated before the taint reached the scheduler tolerates nothing: refused, retried."""
+        taint = self.taints.fault_taint(device)
+        return taint is not None and (taint["effect"] == "None" or tolerates(allocated.tolerations, taint))
+
     def _lookup(self, allocation: ClaimAllocation) -> list[tuple[AllocatedDevice, Device]]:
         chosen: list[tuple[AllocatedDevice, Device]] = []
         for allocated in allocation.devices:
@@ -398,7 +423,11 @@ class Preparer:
                     f"ResourceClaim {allocation.ref}: device {allocated.device} is not one of driver {self.driver}'s "
                     f"devices on this node (it may have been removed since the scheduler allocated it)"
                 )
-            if not device.healthy and not allocated.admin_access:
+            if (
+                not device.healthy
+                and not allocated.admin_access
+                and not self._admits_faulty(device, allocated)
+            ):
                 raise ClaimError(
                     f"ResourceClaim {allocation.ref}: device {allocated.device} ({device.id}) is unhealthy "
                     f"({device.health_reason or 'no reason given'}); the kubelet retries once it recovers"
@@ -507,7 +536,7 @@ class Preparer:
         """Destroy the partitions no prepared claim owns that a crash left in the hardware (each recorded in
         ``making`` before it was made; nothing else is touched), and release the ``unreleased`` handles; one
         log line names what was reclaimed. Returns it. Called at start, before serving."""
-        async with self._lock:
+        async with self._lock, self.checkpoint.exclusive():
             return await self._reconcile_locked()
 
     async def _reconcile_locked(self) -> list[str]:
@@ -787,7 +816,7 @@ class Preparer:
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
         if self.status is not None:
             self.status.busy()
-        async with self._lock:
+        async with self._lock, self.checkpoint.exclusive():
             return await self._unprepare_locked(refs)
 
     async def _unprepare_locked(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:

@@ -30,8 +30,10 @@ from kxpu.model.device import (
     InvalidDeviceError,
     check_device_id,
     index_by_id,
+    pci_address,
 )
 from kxpu.model.edits import ContainerEdits, DeviceNode, Mount
+from kxpu.model.faults import FaultClass, fault_class
 from kxpu.model.limits import share_limit_env
 from kxpu.model.telemetry import (
     GRANT_ANNOTATION,
@@ -60,6 +62,7 @@ __all__ = [
     "DeviceNode",
     "DeviceShare",
     "DeviceUsage",
+    "FaultClass",
     "Grant",
     "GrantError",
     "Health",
@@ -80,8 +83,10 @@ __all__ = [
     "check_device_id",
     "decode_grants",
     "encode_grants",
+    "fault_class",
     "find_capability",
     "index_by_id",
     "numa_packed",
+    "pci_address",
     "share_limit_env",
 ]

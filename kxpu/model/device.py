@@ -12,6 +12,8 @@ MAX_DEVICE_ID_LENGTH = 63
 # The kubelet's topology manager keeps NUMA nodes in a 64-bit mask ("bit number must be in range 0-63").
 MAX_NUMA_NODE = 63
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# A PCI address as vendors' tools print it: 4 (Linux) or 8 (NVML) hex digits of domain, any case.
+_PCI_ADDRESS = re.compile(r"^([0-9a-fA-F]{4}|[0-9a-fA-F]{8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 
 
 class Health(StrEnum):
@@ -32,6 +34,20 @@ def check_device_id(device_id: str) -> str:
             "'_', '.', ':' or '-', starting with a letter or digit"
         )
     return device_id
+
+
+def pci_address(text: str | None) -> str | None:
+    """The extended BDF Linux and Kubernetes' ``resource.kubernetes.io/pciBusID`` use (``0000:07:00.0``,
+    lower case) from any vendor's spelling (NVML's ``00000000:07:00.0``); None if ``text`` is not one."""
+    match = _PCI_ADDRESS.match((text or "").strip())
+    if match is None:
+        return None
+    domain, bus, slot, function = match.groups()
+    if len(domain) == 8:
+        if int(domain[:4], 16):
+            return None  # a domain beyond 16 bits has no 4-digit Linux form
+        domain = domain[4:]
+    return f"{domain}:{bus}:{slot}.{function}".lower()
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +73,13 @@ class Device:
     health_reason: str | None = None
     # A partition's draw on its physical device: counter set name → counter → amount (``Partitioner``).
     consumes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    # Where the device sits, for claims that want devices that line up (``matchAttribute``):
+    # the PCIe root complex it hangs under (``pci0000:00``, from sysfs; a GPU and a NIC with one root
+    # share a host bridge), and its link domain: devices with equal values are joined by the vendor's
+    # device-to-device link (an NVLink island or clique, an xGMI hive, an HCCS ring). Partitions
+    # inherit both from their physical device.
+    pcie_root: str | None = None
+    link_domain: str | None = None
 
     def __post_init__(self) -> None:
         check_device_id(self.id)

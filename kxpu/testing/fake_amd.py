@@ -41,6 +41,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kxpu.backends.amd.sysfs import SEAM
 from kxpu.testing.fake_host import FakeHost
 
 DRI_MAJOR = 226
@@ -52,6 +53,7 @@ NPS = {"nps1": 1, "nps2": 2, "nps4": 4, "nps8": 8}
 BUSES = (0x0C, 0x22, 0x38, 0x5C, 0x9F, 0xAF, 0xBF, 0xDF)
 RAS_BLOCKS = ("umc", "gfx", "sdma", "mmhub", "xgmi_wafl")
 GIB = 1 << 30
+HIVE_BASE = 0x7C2A_51F0_E3B4_9D11  # illustrative; the driver derives it from the hive's first device
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +173,18 @@ class FakeAmd:
     def unique_id(self, g: int) -> int:
         return 0x4F2A_1C00_0000_0000 | (g + 1) * 0x1_0001_0203
 
+    def hive(self, g: int) -> int:
+        """GPU ``g``'s xGMI hive ID (0: in none): one hive for a fully connected profile, else one per group of
+        GPUs joined by ``xgmi_pairs`` (an MI210 bridge joins two or four cards)."""
+        if self.profile.xgmi:
+            return HIVE_BASE
+        group = {g}
+        for _ in range(self.profile.count):
+            group |= {b for a, b in self.profile.xgmi_pairs if a in group} | {
+                a for a, b in self.profile.xgmi_pairs if b in group
+            }
+        return HIVE_BASE + min(group) + 1 if len(group) > 1 else 0
+
     def serial(self, g: int) -> str:
         return (
             f"T8R13800{0x130616 + g:06X}" if self.model.vendor == 0x1D94 else f"PCB0{BUSES[g]:02X}9A{g:02d}"
@@ -234,6 +248,13 @@ class FakeAmd:
         f.symlink(f"{base}/driver", "../../../bus/pci/drivers/amdgpu")
         self._drm(f"{base}/drm", g, 0, device_link="../..")
         f.symlink(f"/sys/bus/pci/devices/{self.bdf(g)}", f"../../../devices/pci0000:00/{self.bdf(g)}")
+        hive = self.hive(g)
+        if hive:  # the hive's directory lives under its first GPU; the others link to it, as amdgpu does
+            first = min(o for o in range(self.profile.count) if self.hive(o) == hive)
+            if first == g:
+                f.write_attribute(f"{base}/xgmi_hive_info/xgmi_hive_id", hive)
+            else:
+                f.symlink(f"{base}/xgmi_hive_info", f"../{self.bdf(first)}/xgmi_hive_info")
         if m.partitionable:
             for k in range(1, 8):  # every possible partition, in every mode
                 self._drm(f"/sys/devices/platform/amdgpu_xcp_{self.xcp(g, k)}/drm", g, k)
@@ -302,7 +323,7 @@ class FakeAmd:
                         f"location_id {BUSES[g] << 8}",
                         "domain 0",
                         f"drm_render_minor {self.render(g, k)}",
-                        f"hive_id {0x7C2A_51F0_E3B4_9D11 if self.profile.xgmi else 0}",
+                        f"hive_id {self.hive(g)}",
                         f"num_xcc {max(1, m.xccs // parts)}",
                         f"unique_id {self.unique_id(g)}",
                     ]
@@ -446,6 +467,7 @@ class FakeAmd:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+FAKE_AMD_ENV = "KXPU_FAKE_AMD"
 _shared: dict[str, FakeAmd] = {}
 
 
@@ -472,7 +494,8 @@ def main(argv: list[str]) -> int:
         if len(argv) == 3 and argv[0] == "write":
             fake = FakeAmd(argv[1], Path(argv[2]))
             print(
-                f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_AMD={fake.root}"
+                f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_AMD={fake.root} "
+                "and --import kxpu.testing.fake_amd"
             )
             return 0
         if len(argv) >= 3 and argv[0] == "change":
@@ -496,6 +519,15 @@ def main(argv: list[str]) -> int:
         return 1
     print(USAGE)
     return 2
+
+
+def _stand_in() -> Path | None:
+    """The tree the amd and hygon backends read in place of hostRoot once this module is imported."""
+    value = os.environ.get(FAKE_AMD_ENV)
+    return from_env(value) if value else None
+
+
+SEAM.plug(_stand_in)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_amd``) plugs it in
 
 
 if __name__ == "__main__":

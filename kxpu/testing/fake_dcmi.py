@@ -14,6 +14,7 @@ removed, like a missing driver) and sysfs ``numa_node`` per PCI function.
 
 Live changes (health flips, a dropped or lost chip, a missing driver) go into a JSON state file
 in that root, which every call re-reads when it changed: a daemon in another process started with
+``--import kxpu.testing.fake_dcmi`` (which plugs this fake into the backend's seam),
 ``KXPU_FAKE_DCMI=<profile>`` and ``hostRoot`` pointing at the same root sees them at its next poll,
 as it would see the driver's answers change.
 """
@@ -32,6 +33,7 @@ from typing import Any
 
 from kxpu.atomicfile import write_atomically
 from kxpu.backends.ascend import dcmi
+from kxpu.backends.ascend.dcmi import SEAM, DcmiSource
 from kxpu.testing.fake_host import FakeHost
 
 FAKE_DCMI_ENV = "KXPU_FAKE_DCMI"
@@ -67,6 +69,8 @@ class FakeChip:
     chip_type: str = "Ascend"
     chip_ver: str = "V1"
     device_id: int = 0xD802
+    hccs: int | None = None  # chips with one value are joined by HCCS (a ring or a mesh); None: PCIe only
+    pcie_root: int = 0  # the root complex's bus number (pci0000:<root>) the chip sits under
     # live state
     health: int = 0
     health_rc: int = 0  # -8012: the card dropped off the bus
@@ -114,10 +118,36 @@ def profile_910b_8x() -> DcmiProfile:
             bus=_910B_BUSES[i],
             memory_mib=65536,
             numa=i // 4,
+            hccs=0,  # an Atlas 800T A2's eight chips are one HCCS mesh
+            pcie_root=_910B_BUSES[i] & 0xC0,
         )
         for i in range(8)
     ]
     return DcmiProfile("910b-8x", chips)
+
+
+def profile_910_8x_rings() -> DcmiProfile:
+    """An Atlas 800 training server (model 9000): eight Ascend 910 in two HCCS rings of four (0-3 and
+    4-7), a ring per CPU; chips of different rings talk over PCIe and the CPUs' link only."""
+    chips = [
+        FakeChip(
+            card=i,
+            device=0,
+            logic=i,
+            phy=i,
+            chip_name="910",
+            aicore=32,
+            die=_die(0x911, i),
+            bus=_910B_BUSES[i],
+            memory_mib=32768,
+            numa=i // 4,
+            device_id=0xD801,
+            hccs=i // 4,
+            pcie_root=_910B_BUSES[i] & 0xC0,
+        )
+        for i in range(8)
+    ]
+    return DcmiProfile("910-8x-rings", chips, driver_version="23.0.3")
 
 
 def profile_910b_8x_one_dropped() -> DcmiProfile:
@@ -140,6 +170,7 @@ def profile_310p_4x() -> DcmiProfile:
             aicore=8,
             die=_die(0x310, i),
             bus=0x3B + i,
+            pcie_root=0x3A,
             memory_mib=21527,
             hbm=False,
             device_id=0xD500,
@@ -156,6 +187,7 @@ def profile_no_driver() -> DcmiProfile:
 PROFILES: dict[str, Callable[[], DcmiProfile]] = {
     "910b-8x": profile_910b_8x,
     "910b-8x-one-dropped": profile_910b_8x_one_dropped,
+    "910-8x-rings": profile_910_8x_rings,
     "310p-4x": profile_310p_4x,
     "no-driver": profile_no_driver,
 }
@@ -215,7 +247,9 @@ class FakeDcmi:
                 host.device_node(path, major, minor)
         for chip in self.profile.chips:
             self._node(chip)
-            pci = f"/sys/bus/pci/devices/{chip.bus_id}"
+            # The function under its root complex in /sys/devices, linked from /sys/bus/pci/devices.
+            pci = f"/sys/devices/pci0000:{chip.pcie_root:02x}/0000:{chip.pcie_root:02x}:00.0/{chip.bus_id}"
+            host.symlink(f"/sys/bus/pci/devices/{chip.bus_id}", f"../../..{pci.removeprefix('/sys')}")
             host.write_attribute(f"{pci}/vendor", "0x19e5")
             host.write_attribute(f"{pci}/device", f"0x{chip.device_id:04x}")
             host.write_attribute(f"{pci}/numa_node", -1 if chip.numa is None else chip.numa)
@@ -445,6 +479,28 @@ class FakeDcmi:
         out.bdf_busid, out.bdf_deviceid, out.bdf_funcid = chip.bus, 0, 0
         return dcmi.DCMI_OK
 
+    def dcmi_get_topo_info_by_device_id(
+        self, card_id1: Any, device_id1: Any, card_id2: Any, device_id2: Any, topo_type: Any
+    ) -> int:
+        self._count("dcmi_get_topo_info_by_device_id")
+        out = _out(topo_type, ctypes.c_int)
+        a, b = self._query(card_id1, device_id1), self._query(card_id2, device_id2)
+        if isinstance(a, int):
+            return a
+        if isinstance(b, int):
+            return b
+        if a is b:
+            out.value = 0  # SELF
+        elif a.hccs is not None and a.hccs == b.hccs:
+            out.value = dcmi.TOPO_HCCS
+        elif a.card == b.card:
+            out.value = 5  # PIX: the two chips of one card, behind its PCIe switch
+        elif a.pcie_root == b.pcie_root:
+            out.value = 2  # PHB
+        else:
+            out.value = 1  # SYS
+        return dcmi.DCMI_OK
+
     def dcmi_get_device_hbm_info(self, card_id: Any, device_id: Any, hbm_info: Any) -> int:
         out = _out(hbm_info, dcmi.DcmiHbmInfo)
         chip = self._query(card_id, device_id)
@@ -540,3 +596,14 @@ def from_env(host_root: Path) -> FakeDcmi | None:
             weakref.finalize(fake, fake.cleanup)  # a temporary root goes at exit; a given one stays
             _shared[key] = fake
         return fake
+
+
+def _stand_in(host_root: Path) -> DcmiSource | None:
+    """What the ascend backend loads in place of libdcmi once this module is imported."""
+    fake = from_env(host_root)
+    return None if fake is None else DcmiSource(fake.root, fake)
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_dcmi``) plugs it in

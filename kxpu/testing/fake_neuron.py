@@ -17,7 +17,8 @@ proves the backend finds attributes by name, not that it matches 2.31's real tre
 Changes happen as on hardware: ``set_ecc``/``set_state`` rewrite values in place (no inotify
 event, as sysfs raises none), ``lose``/``restore`` and ``unload_driver``/``load_driver`` remove
 and add directories and device nodes (which do raise events). The tree lives on disk, so a daemon
-in another process pointed at the root (``hostRoot``, or ``KXPU_FAKE_NEURON=<root>``) sees every
+in another process pointed at the root (``hostRoot``, or ``KXPU_FAKE_NEURON=<root>`` with
+``--import kxpu.testing.fake_neuron``, which plugs this fake into the backend's seam) sees every
 change. ``python -m kxpu.testing.fake_neuron <profile> <dir>`` writes one for ``kxpu devices``.
 """
 
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_FILE
+from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_FILE, SEAM
 from kxpu.testing.fake_host import FakeHost
 
 DEVICE_DIR = "/sys/devices/virtual/neuron_device"
@@ -51,6 +53,7 @@ class NeuronProfile:
     driver_version: str = "2.24.7.0"
     lnc_file: int | None = None
     driver: bool = True
+    pci_parents: bool = False  # each device's ``device`` link to its PCI function (half under each CPU)
 
 
 def _base_profiles() -> list[NeuronProfile]:
@@ -70,6 +73,9 @@ def _profiles() -> dict[str, NeuronProfile]:
         out[f"{base}-new-layout"] = replace(
             out[base], name=f"{base}-new-layout", layout="new", driver_version="2.31.0.0"
         )
+    out["trn1-32xl-pci"] = replace(
+        out["trn1-32xl"], name="trn1-32xl-pci", layout="new", driver_version="2.31.0.0", pci_parents=True
+    )
     out["no-driver"] = replace(out["trn1-32xl"], name="no-driver", driver=False)
     return out
 
@@ -126,6 +132,12 @@ class FakeNeuron:
         rel = NEW_LAYOUT.get(name) if self.profile.layout == "new" else None
         return f"{DEVICE_DIR}/neuron{index}/{rel or LEGACY_PATHS[name]}"  # type: ignore[index]
 
+    def pci_address(self, index: int) -> str:
+        """Device ``index``'s PCI function (``pci_parents`` profiles): half under each CPU's root complex."""
+        half = self.profile.count // 2
+        bus = 0x10 + index * 0x08 if index < half else 0x90 + (index - half) * 0x08
+        return f"0000:{bus:02x}:00.0"
+
     def serial(self, index: int) -> str:
         return hashlib.sha256(f"{self.profile.name}/{index}".encode()).hexdigest()[:16]
 
@@ -169,6 +181,12 @@ class FakeNeuron:
         self.fake.write_attribute(f"{base}/power/control", "auto")
         self.fake.write_attribute(f"{base}/stats/hardware/mem_ecc_repairable_uncorrected", 0)
         self.fake.symlink(f"{base}/subsystem", "../../../../class/neuron_device")
+        if p.pci_parents:
+            bdf, root = self.pci_address(index), f"pci0000:{index * 2 // p.count * 0x80:02x}"
+            pci = f"{root}/{root[3:]}:01.0/{bdf}"
+            self.fake.write_attribute(f"/sys/devices/{pci}/numa_node", index * 2 // p.count)
+            self.fake.symlink(f"{base}/device", f"../../../{pci}")
+            self.fake.symlink(f"/sys/bus/pci/devices/{bdf}", f"../../../devices/{pci}")
         for core in range(p.physical_cores):
             self.fake.write_attribute(f"{base}/neuron_core{core}/info/architecture/arch_type", p.arch[1])
             self.fake.write_attribute(f"{base}/neuron_core{core}/stats/status/success/total", 0)
@@ -208,6 +226,7 @@ class FakeNeuron:
         self.fake.cleanup()
 
 
+FAKE_NEURON_ENV = "KXPU_FAKE_NEURON"
 _shared: dict[str, FakeNeuron] = {}
 
 
@@ -228,8 +247,22 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m kxpu.testing.fake_neuron PROFILE DIR  (profiles: {', '.join(PROFILES)})")
         return 2
     fake = FakeNeuron(argv[0], Path(argv[1]))
-    print(f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_NEURON={fake.root}")
+    print(
+        f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_NEURON={fake.root} "
+        "and --import kxpu.testing.fake_neuron"
+    )
     return 0
+
+
+def _stand_in() -> Path | None:
+    """The tree the neuron backend reads in place of hostRoot once this module is imported."""
+    value = os.environ.get(FAKE_NEURON_ENV)
+    return from_env(value) if value else None
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_neuron``) plugs it in
 
 
 if __name__ == "__main__":

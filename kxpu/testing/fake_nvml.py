@@ -9,8 +9,10 @@ cannot drift). ``nvmlEventSetWait`` really blocks until an event or the timeout,
 raises ``NVML_ERROR_TIMEOUT``, so the backend's health thread runs as it would on a GPU.
 
 Faults are injected in-process (``inject_xid``, ``lose_gpu``, ``fail_event_wait``…) or,
-for a daemon in another process started with ``KXPU_FAKE_NVML=<profile>``, through the
-unix datagram socket named by ``KXPU_FAKE_NVML_CONTROL`` (see ``send_control``).
+for a daemon in another process started with ``--import kxpu.testing.fake_nvml`` and
+``KXPU_FAKE_NVML=<profile>``, through the unix datagram socket named by ``KXPU_FAKE_NVML_CONTROL``
+(see ``send_control``). Importing this module plugs the fake into the backend's seam
+(``kxpu.backends.nvidia.nvml.SEAM``); it plays a machine only while ``KXPU_FAKE_NVML`` names one.
 
 What telemetry reads is there too, with the binding's shapes: running processes as the
 binding's ``nvmlFriendlyObject`` of ``c_nvmlProcessInfo_v3_t`` fields (``usedGpuMemory`` None
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import pynvml
+
+from kxpu.backends.nvidia.nvml import SEAM, NvmlSource
 
 FAKE_NVML_ENV = "KXPU_FAKE_NVML"
 FAKE_NVML_CONTROL_ENV = "KXPU_FAKE_NVML_CONTROL"
@@ -209,6 +213,8 @@ class FakeGpu:
     mig_profiles: tuple[MigGiProfile, ...] = ()
     gpu_instances: dict[int, FakeGpuInstance] = field(default_factory=dict)
     nvlinks: list[str | None] = field(default_factory=list)  # remote PCI bus id per link; None = down
+    # NVLink fabric (nvmlDeviceGetGpuFabricInfo): (cluster UUID, clique ID) once registered; None: not supported
+    fabric: tuple[str, int] | None = None
     lost: bool = False
     # What telemetry reads (settable with set_telemetry / set_processes).
     compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
@@ -398,6 +404,53 @@ def profile_a100_mig_dynamic() -> MachineProfile:
     return MachineProfile("a100-mig-dynamic", gpus)
 
 
+def profile_a100_pcie_4x_bridged() -> MachineProfile:
+    """4x A100 PCIe 80GB with NVLink bridges joining 0-1 and 2-3, each pair behind its own CPU (two PCIe root
+    complexes, two NUMA nodes): two NVLink islands, so a claim for two GPUs on one island has two answers."""
+    buses = [_bus(n) for n in (0x17, 0x31, 0x98, 0xB1)]
+    gpus = [
+        FakeGpu(
+            name="NVIDIA A100 80GB PCIe",
+            uuid=_uuid("GPU", "a100-pcie", i),
+            memory_mib=81920,
+            bus_id=buses[i],
+            minor=i,
+            numa_node=i // 2,
+            cuda_cc=(8, 0),
+            pcie_switch=f"sw{i}",
+            host_bridge=f"hb{i // 2}",
+            mig_capable=True,
+            mig_profiles=MIG_PROFILES_A100_80GB,
+            nvlinks=[buses[i ^ 1]] * 12,  # a bridge set: 12 links to the partner
+        )
+        for i in range(4)
+    ]
+    return MachineProfile("a100-pcie-4x-bridged", gpus)
+
+
+def profile_gb200_4x() -> MachineProfile:
+    """One GB200 NVL72 compute tray: 4 GPUs on the rack's NVLink switches (18 links each), registered with the
+    fabric as one clique of a cluster (nvmlDeviceGetGpuFabricInfo)."""
+    switches = [_bus(0xE0 + n) for n in range(18)]
+    gpus = [
+        FakeGpu(
+            name="NVIDIA GB200",
+            uuid=_uuid("GPU", "gb200", i),
+            memory_mib=189471,
+            bus_id=_bus(0x01 + 0x40 * i),
+            minor=i,
+            numa_node=i // 2,
+            cuda_cc=(10, 0),
+            pcie_switch=f"sw{i}",
+            host_bridge=f"hb{i // 2}",
+            nvlinks=list(switches),
+            fabric=("5e7c1a2b-3c4d-4e5f-8a9b-0c1d2e3f4a5b", 32766),
+        )
+        for i in range(4)
+    ]
+    return MachineProfile("gb200-4x", gpus, driver_version="580.95.05", cuda_driver_version=13000)
+
+
 def profile_a100_lost() -> MachineProfile:
     """Two PCIe A100s; GPU 1 has fallen off the bus (only its handle and UUID still answer)."""
     gpus = [
@@ -433,6 +486,8 @@ PROFILES: dict[str, Callable[[], MachineProfile]] = {
     "h100-mig-dynamic": profile_h100_mig_dynamic,
     "a100-mig-dynamic": profile_a100_mig_dynamic,
     "a100-lost": profile_a100_lost,
+    "a100-pcie-4x-bridged": profile_a100_pcie_4x_bridged,
+    "gb200-4x": profile_gb200_4x,
     "no-driver": profile_no_driver,
 }
 
@@ -476,6 +531,13 @@ class FakeEventSet:
         self.failure: int | None = None
         self.freed = False
         self.cond = threading.Condition()
+
+
+def pcie_root_of(gpu: FakeGpu) -> str:
+    """The PCIe root complex a fake GPU sits under: one per host bridge (``hb1`` → ``pci0000:80``), in the
+    GPU's PCI domain."""
+    digits = "".join(c for c in gpu.host_bridge if c.isdigit()) or "0"
+    return f"pci{gpu.bus_id.split(':', 1)[0][-4:].lower()}:{int(digits) * 0x80 % 0x100:02x}"
 
 
 def _err(code: int) -> pynvml.NVMLError:
@@ -1206,6 +1268,18 @@ class FakeNvml:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return gpu.nvlinks[link]
 
+    def nvmlDeviceGetGpuFabricInfo(self, handle: FakeHandle, info_ref: Any) -> int:
+        gpu = self._gpu(handle)
+        if gpu.fabric is None:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        info = _deref(info_ref)
+        cluster, clique = gpu.fabric
+        info.clusterUuid[:] = list(uuidlib.UUID(cluster).bytes)
+        info.status = pynvml.NVML_SUCCESS
+        info.cliqueId = clique
+        info.state = pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
+        return int(pynvml.NVML_SUCCESS)
+
     def nvmlDeviceGetNvLinkState(self, handle: FakeHandle, link: int) -> int:
         remote = self._link(handle, link)
         return int(pynvml.NVML_FEATURE_ENABLED if remote is not None else pynvml.NVML_FEATURE_DISABLED)
@@ -1342,9 +1416,16 @@ class FakeNvml:
             for gpu in self.gpus:
                 domain, rest = gpu.bus_id.split(":", 1)
                 linux_bus = f"{domain[-4:]}:{rest}".lower()
-                pci = root / "sys/bus/pci/devices" / linux_bus
+                # As the kernel lays PCI out: the function under its root complex and root port in
+                # /sys/devices, linked from /sys/bus/pci/devices (where pcieRoot and numa_node are read).
+                pcie_root = pcie_root_of(gpu)
+                port = f"{pcie_root[3:]}:01.0"
+                pci = root / "sys/devices" / pcie_root / port / linux_bus
                 pci.mkdir(parents=True, exist_ok=True)
                 (pci / "numa_node").write_text(f"{-1 if gpu.numa_node is None else gpu.numa_node}\n")
+                link = root / "sys/bus/pci/devices" / linux_bus
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(f"../../../devices/{pcie_root}/{port}/{linux_bus}")
             self._host_root = root
             for gpu in self.gpus:
                 self._write_caps(gpu)
@@ -1477,3 +1558,14 @@ def from_env() -> FakeNvml | None:
                 fake.serve_control(control)
             _shared[name] = fake
         return fake
+
+
+def _stand_in() -> NvmlSource | None:
+    """What the NVIDIA backend reads in place of pynvml once this module is imported."""
+    fake = from_env()
+    return None if fake is None else NvmlSource(fake, fake.host_root, fake=True)
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_nvml``) plugs it in

@@ -12,9 +12,9 @@ name, resource, device IDs by NUMA node, the Allocate response in base64), which
 telemetry reads. The stand-in writes no real ``Checksum`` (kxpu never checks it).
 
 Containers using DRA claims (``use_claim``) are listed in PodResources' ``dynamic_resources`` (claim
-name and namespace, and per device the driver, pool, device name and share ID, as the kubelet fills them)
-and recorded in the kubelet's DRA checkpoint ``dra_manager_state`` (claim UID → pod UIDs; the kubelet's
-``{"Data": "<JSON>", "Checksum": <crc32 of Data>}`` layout, checksum included).
+name and namespace, and per device the driver, pool, device name and share ID, as the kubelet fills them).
+The kubelet's own DRA checkpoint is not written: kxpu never reads it (pod UIDs come from the claim's
+``status.reservedFor``, ``FakeDraApi.reserve``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import os
 import stat
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,17 +165,13 @@ class _PodResourcesLister(podres_grpc.PodResourcesListerServicer):
 
 
 class KubeletStandIn(pb_grpc.RegistrationServicer):
-    def __init__(
-        self, plugin_dir: Path, pod_resources_socket: Path | None = None, dra_state: Path | None = None
-    ) -> None:
+    def __init__(self, plugin_dir: Path, pod_resources_socket: Path | None = None) -> None:
         self.plugin_dir = plugin_dir
         self.pod_resources_socket = pod_resources_socket
         self.assignments: PodAssignments = {}
         self.claim_uses: dict[
             tuple[str, str, str], list[ClaimUse]
         ] = {}  # (namespace, pod, container) → claims
-        # the kubelet keeps it in its root directory, the device-plugin directory's parent
-        self.dra_state = dra_state or plugin_dir.parent / "dra_manager_state"
         self.pod_uids: dict[tuple[str, str], str] = {}  # (namespace, pod) → UID, as the API server gave it
         self.responses: dict[
             tuple[str, str, str, str], bytes
@@ -371,56 +366,14 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
         return response
 
     def use_claim(self, pod: tuple[str, str], container: str, claim: ClaimUse) -> None:
-        """A running container of ``pod`` uses a prepared DRA claim: PodResources lists it, the DRA checkpoint
-        names the pod's UID for the claim."""
+        """A running container of ``pod`` uses a prepared DRA claim: PodResources lists it."""
         self.pod_uids.setdefault(pod, str(uuid.uuid4()))
         self.claim_uses.setdefault((*pod, container), []).append(claim)
-        self.write_dra_state()
-
-    def write_dra_state(self) -> None:
-        entries: dict[str, dict[str, object]] = {}
-        for (namespace, pod, _), uses in self.claim_uses.items():
-            for use in uses:
-                entry = entries.setdefault(
-                    use.uid,
-                    {
-                        "ClaimUID": use.uid,
-                        "ClaimName": use.name,
-                        "Namespace": use.namespace,
-                        "PodUIDs": {},
-                        "DriverState": {},
-                    },
-                )
-                pods = entry["PodUIDs"]
-                assert isinstance(pods, dict)
-                pods[self.pod_uids[(namespace, pod)]] = {}
-                drivers = entry["DriverState"]
-                assert isinstance(drivers, dict)
-                for d in use.devices:
-                    device = {"PoolName": d.pool, "DeviceName": d.device, "RequestNames": ["req"]}
-                    if d.share_id:
-                        device["ShareID"] = d.share_id
-                    listed = drivers.setdefault(d.driver, {"Devices": []})["Devices"]
-                    if device not in listed:
-                        listed.append(device)
-        data = json.dumps(
-            {
-                "kind": "DRACheckpoint",
-                "apiVersion": "checkpoint.dra.kubelet.k8s.io/v1",
-                "ClaimInfoStateList": list(entries.values()),
-            }
-        )
-        self.dra_state.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.dra_state.with_name(self.dra_state.name + ".tmp")
-        tmp.write_text(json.dumps({"Data": data, "Checksum": zlib.crc32(data.encode())}))
-        os.replace(tmp, self.dra_state)
 
     def remove_pod(self, namespace: str, name: str) -> None:
         """The pod is gone: its devices leave PodResources and the checkpoints."""
         for used in [k for k in self.claim_uses if k[:2] == (namespace, name)]:
             del self.claim_uses[used]
-        if self.dra_state.exists() or self.claim_uses:
-            self.write_dra_state()
         for held in [k for k in self.assignments if k[:2] == (namespace, name)]:
             del self.assignments[held]
         for answered in [k for k in self.responses if k[:2] == (namespace, name)]:

@@ -31,6 +31,7 @@ from kxpu.backends.amd.sysfs import (
     HYGON_VENDOR,
     KFD_NODES,
     PLATFORM_DIR,
+    SEAM,
     AmdReader,
     Gpu,
     Snapshot,
@@ -38,7 +39,8 @@ from kxpu.backends.amd.sysfs import (
     amdsmi_uuid,
 )
 from kxpu.backends.amd.telemetry import AmdSampler, SampledUnit
-from kxpu.backends.host import Host, HostBackendConfig, chosen_host, host_changes
+from kxpu.backends.host import Host, HostBackendConfig, HostFileError, chosen_host, host_changes
+from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
 from kxpu.model import (
@@ -54,7 +56,6 @@ from kxpu.model import (
 
 log = get_logger("kxpu.backends.amd")
 
-FAKE_ENV = "KXPU_FAKE_AMD"
 AMDSMI_NOT_SUPPORTED = 2
 # Marketing names by PCI device ID, where sysfs has no product_name (the plugin asks libdrm).
 MODELS = {
@@ -123,8 +124,9 @@ class AmdBackend(Backend):
 
     def __init__(self, config: AmdCommonConfig, amdsmi: Any = None, host: Host | None = None) -> None:
         self.config = config
-        self.host = chosen_host(config, host, FAKE_ENV, "kxpu.testing.fake_amd", "amdgpu")
+        self.host = chosen_host(config, host, SEAM)
         self.reader = AmdReader(self.host, self.vendor)
+        self._placement = PlacementReader(self.host)
         self._lock = threading.Lock()
         self._memory = _HealthMemory(config.ras_recovery_seconds)
         self._smi_module = amdsmi
@@ -300,8 +302,24 @@ class AmdBackend(Backend):
             memory_mib=memory // (1024 * 1024) if memory else None,
             cores=kfd.simd_count // kfd.simd_per_cu if kfd and kfd.simd_per_cu else None,
             pci_bus_id=gpu.bdf,
+            pcie_root=self._placement.pcie_root(gpu.bdf),
+            link_domain=self._hive(gpu),
             extra=extra,
         )
+
+    def _hive(self, gpu: Gpu) -> str | None:
+        """The GPU's xGMI hive (``xgmi_hive_info/xgmi_hive_id``, the driver's ``%llu``) as a link domain:
+        GPUs of one hive reach each other over xGMI. 0 or no file: not in a hive."""
+        path = f"{DRIVER_DIR}/{gpu.bdf}/xgmi_hive_info/xgmi_hive_id"
+        try:
+            hive = self.host.read_int(path, 10)
+        except HostFileError as exc:
+            self._placement.omitted(gpu.bdf, "linkDomain", str(exc))
+            return None
+        if hive is not None and not 0 <= hive < 2**64:
+            self._placement.omitted(gpu.bdf, "linkDomain", f"{path}: {hive} is not a 64-bit hive ID")
+            return None
+        return f"xgmi-{hive}" if hive else None
 
     def _log_changes(self, snap: Snapshot, devices: list[Device]) -> None:
         if snap.driver_loaded != self._driver_reported:

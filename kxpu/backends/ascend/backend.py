@@ -27,9 +27,10 @@ from collections.abc import AsyncGenerator, Sequence
 from kxpu.backends.ascend import dcmi
 from kxpu.backends.ascend.config import HAMI_TEMPLATES, AscendConfig, VnpuTemplate
 from kxpu.backends.ascend.dcmi import Dcmi, DcmiError, DcmiSource, default_source
-from kxpu.backends.ascend.discovery import Npu, cards, error_codes, read_npu
+from kxpu.backends.ascend.discovery import Npu, cards, error_codes, hccs_domains, read_npu
 from kxpu.backends.ascend.telemetry import sample_npus
 from kxpu.backends.host import Host, HostFileError, host_changes
+from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
 from kxpu.model import (
@@ -70,6 +71,9 @@ class AscendBackend(Backend):
         self._chip = ""
         self._sampled: list[tuple[str, Npu]] = []  # (UUID, chip) of the last discovery, for sample()
         self._sample_errors: set[str] = set()
+        self._placement = PlacementReader(self.host)
+        # (the placeable chips it was measured for, physical ID → HCCS domain)
+        self._hccs: tuple[tuple[tuple[int, int, int, str | None], ...], dict[int, str]] = ((), {})
         self._start_dcmi()
         devices = self.discover()
         log.info(
@@ -132,6 +136,10 @@ class AscendBackend(Backend):
             )
             return f"dcmi-list-failed{exc.code}"
         npus = [npu for card, dev in chips if (npu := read_npu(lib, self.host, card, dev)) is not None]
+        # HCCS links change only with the hardware: asked again only when the set of placeable chips changes.
+        placeable = tuple((n.phy_id, n.card_id, n.device_id, n.bus_id) for n in npus if n.fault is None)
+        if placeable != self._hccs[0]:
+            self._hccs = (placeable, hccs_domains(lib, npus))
         for npu in npus:
             if npu.chip_name:
                 self._names[npu.phy_id] = npu.chip_name
@@ -175,6 +183,8 @@ class AscendBackend(Backend):
             memory_mib=npu.memory_mib,
             cores=npu.aicore,
             pci_bus_id=npu.bus_id,
+            pcie_root=self._placement.pcie_root(npu.bus_id),
+            link_domain=self._hccs[1].get(npu.phy_id),
             extra=extra,
         )
 

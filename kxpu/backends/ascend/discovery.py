@@ -103,6 +103,40 @@ def _numa(host: Host, bus_id: str) -> int | None:
     return node if node is not None and node >= 0 else None
 
 
+def hccs_domains(lib: Dcmi, npus: list[Npu]) -> dict[int, str]:
+    """Physical ID → the chip's HCCS domain (``hccs-<lowest PCI address in it>``): chips DCMI's topology
+    (``dcmi_get_topo_info_by_device_id``) says are joined by HCCS, transitively (an Atlas 800's ring of
+    four, a 910B server's mesh of eight). A chip DCMI cannot place is in none; so is one with no HCCS peer."""
+    topo = getattr(lib, "dcmi_get_topo_info_by_device_id", None)
+    usable = sorted((n for n in npus if n.fault is None and n.bus_id), key=lambda n: n.bus_id or "")
+    if topo is None or len(usable) < 2:
+        return {}
+    parent = {n.phy_id: n.phy_id for n in usable}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    linked: set[int] = set()
+    for i, a in enumerate(usable):
+        for b in usable[i + 1 :]:
+            kind = ctypes.c_int(-1)
+            code = topo(a.card_id, a.device_id, b.card_id, b.device_id, ctypes.byref(kind))
+            if code != dcmi.DCMI_OK:
+                log.debug("no DCMI topology for a chip pair", a=a.phy_id, b=b.phy_id, code=code)
+                continue
+            if kind.value == dcmi.TOPO_HCCS:
+                parent[find(a.phy_id)] = find(b.phy_id)
+                linked |= {a.phy_id, b.phy_id}
+    first: dict[int, str] = {}
+    for npu in usable:  # by PCI address: the first of each domain names it
+        if npu.phy_id in linked:
+            first.setdefault(find(npu.phy_id), f"hccs-{npu.bus_id}")
+    return {phy: first[find(phy)] for phy in linked}
+
+
 def read_npu(lib: Dcmi, host: Host, card: int, dev: int) -> Npu | None:
     try:
         logic, phy = _ids(lib, card, dev)

@@ -27,6 +27,7 @@ from kxpu.backends.gaudi.health import HealthMonitor, Watched
 from kxpu.backends.gaudi.hlml import HlmlSource, default_source, describe, is_code, text
 from kxpu.backends.gaudi.telemetry import sample_aips
 from kxpu.backends.host import Host, HostFileError
+from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
 from kxpu.model import (
@@ -69,6 +70,7 @@ class GaudiBackend(Backend):
         self.source = source or default_source(config.host_root)
         self.hlml = self.source.module
         self.host = Host(self.source.host_root)
+        self._placement = PlacementReader(self.host)
         self._initialized = False
         self._listeners: set[Callable[[], None]] = set()
         self._listeners_lock = threading.Lock()
@@ -180,6 +182,7 @@ class GaudiBackend(Backend):
             index=aip.index,
             memory_mib=aip.memory_mib,
             pci_bus_id=aip.bus_id,
+            pcie_root=self._placement.pcie_root(aip.bus_id),
             extra=extra,
         )
 

@@ -25,11 +25,13 @@ from kxpu.backends.neuron.sysfs import (
     LEGACY_PATHS,
     LNC_DEVICES,
     MEMORY_GIB,
+    SEAM,
     NeuronDevice,
     NeuronHost,
     NeuronReader,
 )
-from kxpu.backends.neuron.telemetry import sample_devices
+from kxpu.backends.neuron.telemetry import Layout, sample_devices
+from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
 from kxpu.model import (
@@ -47,9 +49,32 @@ log = get_logger("kxpu.backends.neuron")
 
 VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
 LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
-FAKE_ENV = "KXPU_FAKE_NEURON"
 DEVICE_NAMES = ("aws.amazon.com/neuron", "aws.amazon.com/neurondevice")
 CORE_NAMES = ("aws.amazon.com/neuroncore",)
+
+
+def neuronlink_domains(devices: Sequence[NeuronDevice]) -> dict[int, str]:
+    """Device index → its NeuronLink domain (``neuronlink-<lowest index in it>``): devices joined through
+    ``connected_devices`` (a trn's torus, an inf2's ring), transitively; a device with no link is in none."""
+    present = {d.index for d in devices}
+    parent = {i: i for i in present}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    linked: set[int] = set()
+    for dev in devices:
+        for other in dev.connected:
+            if other in present and other != dev.index:
+                parent[find(dev.index)] = find(other)
+                linked |= {dev.index, other}
+    lowest: dict[int, int] = {}
+    for index in sorted(linked):
+        lowest.setdefault(find(index), index)
+    return {i: f"neuronlink-{lowest[find(i)]}" for i in linked}
 
 
 class NeuronConfig(HostBackendConfig):
@@ -99,14 +124,17 @@ class Unit:
 class NeuronBackend(Backend):
     def __init__(self, config: NeuronConfig, host: Host | None = None) -> None:
         self.config = config
-        self.host = chosen_host(config, host, FAKE_ENV, "kxpu.testing.fake_neuron", "Neuron")
+        self.host = chosen_host(config, host, SEAM)
         self.reader = NeuronReader(self.host, config.sysfs_paths)
         self._units: dict[str, Unit] = {}
         self._reported: dict[int, tuple[str, ...]] | None = None  # what was last logged per device
         self._snapshot: NeuronHost | None = None
+        self._placement = PlacementReader(self.host)
+        self._domains: dict[int, str] = {}
         self._lnc = 1
         self._block = 1
         self._sample_errors: set[str] = set()
+        self._layout: Layout = {}  # each device's cores and memory categories, listed once per discovery
 
     # ------------------------------------------------------------------ telemetry
     def sample(self) -> TelemetrySample:
@@ -115,7 +143,7 @@ class NeuronBackend(Backend):
         host = self._snapshot
         devices = [(d.serial or f"neuron{d.index}", d) for d in (host.devices if host else ())]
         errors: list[str] = []
-        sample = sample_devices(self.host, devices, errors)
+        sample = sample_devices(self.host, devices, errors, self._layout)
         for error in errors:
             if error not in self._sample_errors:
                 self._sample_errors.add(error)
@@ -172,6 +200,7 @@ class NeuronBackend(Backend):
                 f"Neuron devices differ in cores per device ({sorted(per_device)}); not supported"
             )
         block = per_device.pop() if per_device else 1
+        self._domains = neuronlink_domains(host.devices)
         units: dict[str, Unit] = {}
         devices: list[Device] = []
         for dev in host.devices:
@@ -185,6 +214,7 @@ class NeuronBackend(Backend):
                 units[unit.id] = unit
                 devices.append(self._device(unit, host, lnc, block))
         self._units, self._snapshot, self._lnc, self._block = units, host, lnc, block
+        self._layout = {}  # a new discovery lists the cores and categories again
         return devices
 
     def _device(self, unit: Unit, host: NeuronHost, lnc: int, block: int) -> Device:
@@ -220,6 +250,8 @@ class NeuronBackend(Backend):
             memory_mib=None if memory is None or is_core else memory * 1024,
             cores=1 if is_core else block,
             pci_bus_id=dev.pci_bus_id,
+            pcie_root=self._placement.pcie_root(dev.pci_bus_id),
+            link_domain=self._domains.get(dev.index),
             extra=extra,
         )
 

@@ -10,6 +10,10 @@ category; its size is the model's (as ``neuron-ls`` reports it); uncorrectable E
 ``stats/hardware/{mem,sram}_ecc_uncorrected`` (the driver keeps no corrected count). Busy time and
 per-process figures are the runtime's (``neuron-monitor``), not the driver's: Neuron devices report no
 utilization and no processes here.
+
+Which cores a device has and which category directories each core's ``device_mem`` holds is fixed while the
+driver is loaded: it is listed once per discovery (``Layout``), so a sample reads only the counters (a listing
+and a stat per category per core per sample made Neuron the costliest backend to sample).
 """
 
 from __future__ import annotations
@@ -29,24 +33,38 @@ def _cores(host: Host, device_dir: str) -> list[str]:
     return sorted(names, key=lambda n: int(n[11:]))
 
 
+Layout = dict[str, tuple[tuple[str, tuple[str, ...]], ...]]  # device path → (core's device_mem, categories)
+
+
+def _layout(host: Host, device_dir: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    cores = []
+    for core in _cores(host, device_dir):
+        base = f"{device_dir}/{core}/{DEVICE_MEM}"
+        cores.append((base, tuple(n for n in host.listdir(base) if host.is_dir(f"{base}/{n}"))))
+    return tuple(cores)
+
+
 def sample_devices(
-    host: Host, devices: Sequence[tuple[str, NeuronDevice]], errors: list[str]
+    host: Host, devices: Sequence[tuple[str, NeuronDevice]], errors: list[str], layout: Layout | None = None
 ) -> TelemetrySample:
+    """``layout``: kept between samples by the caller (emptied at each discovery); a device whose counters
+    cannot be read is listed again next time."""
+    layout = {} if layout is None else layout
     out = []
     for uuid, dev in devices:
         used: int | None = None
         categories: dict[str, int] = {}
         try:
-            for core in _cores(host, dev.path):
-                base = f"{dev.path}/{core}/{DEVICE_MEM}"
+            if (cores := layout.get(dev.path)) is None:
+                cores = layout[dev.path] = _layout(host, dev.path)
+            for base, names in cores:
                 present = host.read_int(f"{base}/present", 10)
                 if present is not None:
                     used = (used or 0) + present
-                for name in host.listdir(base):
-                    if host.is_dir(f"{base}/{name}"):
-                        value = host.read_int(f"{base}/{name}/present", 10)
-                        if value is not None:
-                            categories[name] = categories.get(name, 0) + value
+                for name in names:
+                    value = host.read_int(f"{base}/{name}/present", 10)
+                    if value is not None:
+                        categories[name] = categories.get(name, 0) + value
             ecc = {
                 kind: count
                 for kind in ("mem", "sram")
@@ -54,6 +72,7 @@ def sample_devices(
                 is not None
             }
         except HostFileError as exc:
+            layout.pop(dev.path, None)
             errors.append(str(exc))
             out.append(DeviceUsage(uuid=uuid, index=dev.index, model=dev.device_name, vendor="neuron"))
             continue

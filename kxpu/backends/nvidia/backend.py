@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kxpu.atomicfile import write_atomically
+from kxpu.backends.host import Host
 from kxpu.backends.nvidia import discovery, dynamic_mig, mps, topology
 from kxpu.backends.nvidia.config import GpuRef, NvidiaConfig
 from kxpu.backends.nvidia.discovery import MIB, GpuInfo, Inventory, MigInfo
@@ -32,6 +33,7 @@ from kxpu.backends.nvidia.mps import MpsDaemon, MpsError, MpsLimits, MpsManager
 from kxpu.backends.nvidia.nvml import NvmlSource, default_source, describe, is_code
 from kxpu.backends.nvidia.sharing import pick_replicas
 from kxpu.backends.nvidia.telemetry import GpuSampler
+from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
 from kxpu.model import (
@@ -139,6 +141,11 @@ class NvidiaBackend(Backend):
             }.values()
         )
         self.topology = topology.measure(self.nvml, served) if whole and len(served) > 1 else None
+        # Where each GPU sits, for claims that line devices up (matchAttribute): measured once, as NVLinks
+        # and fabric membership change only with the hardware or a driver reload (a restart of kxpu).
+        self._placement = PlacementReader(Host(self.source.host_root))
+        self._link_domains = topology.link_domains(self.nvml, served) if len(served) > 1 else {}
+        self._cliques = {g.uuid: c for g in served if (c := topology.fabric_clique(self.nvml, g))}
         self.monitor: HealthMonitor | None = None
         policy = XidPolicy.from_env(config.health.ignored_xids, self._environ)
         if policy.checks_off:
@@ -496,6 +503,8 @@ class NvidiaBackend(Backend):
             )
         if unit.replica is not None:
             extra.update(replica=unit.replica, replicas=unit.replicas, sharingStrategy=self._strategy)
+        if gpu.uuid in self._cliques:
+            extra["nvlinkClique"] = self._cliques[gpu.uuid]
         return Device(
             id=unit.id,
             health=Health.UNHEALTHY if reason else Health.HEALTHY,
@@ -506,6 +515,8 @@ class NvidiaBackend(Backend):
             index=gpu.index,
             memory_mib=mig.memory_mib if mig else gpu.memory_mib,
             pci_bus_id=gpu.pci_bus_id,
+            pcie_root=self._placement.pcie_root(gpu.pci_bus_id),
+            link_domain=self._link_domains.get(gpu.uuid),
             extra=extra,
         )
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from kxpu.backends.nvidia.discovery import GpuInfo
 from kxpu.backends.nvidia.health import HealthMonitor
-from kxpu.backends.nvidia.nvml import Nvml
+from kxpu.backends.nvidia.nvml import Nvml, text
 from kxpu.model import DeviceUsage, ProcessUsage, TelemetrySample
 
 T = TypeVar("T")
@@ -247,6 +247,15 @@ class GpuSampler:
             return []
         sm = self._sm_shares(gpu)
         mig_uuid = {(m.gi, m.ci): m.uuid for m in gpu.migs}
+        instances = {
+            (
+                int(getattr(proc, "gpuInstanceId", NO_INSTANCE)),
+                int(getattr(proc, "computeInstanceId", NO_INSTANCE)),
+            )
+            for proc in found.values()
+        }
+        if any(key[0] != NO_INSTANCE and key not in mig_uuid for key in instances):
+            mig_uuid |= self._live_migs(gpu)
         out = []
         for pid, proc in found.items():
             gi, ci = (
@@ -263,6 +272,22 @@ class GpuSampler:
                 )
             )
         return out
+
+    def _live_migs(self, gpu: GpuInfo) -> dict[tuple[int, int], str]:
+        """(GPU instance, compute instance) → MIG device UUID as NVML has them now: a MIG device made after
+        discovery (dynamic MIG, at prepare) is not among ``gpu.migs``; its processes are its claim's, under its
+        own UUID. Asked only while such a process runs (IDs are reused, so nothing is kept)."""
+        nvml, found = self.nvml, {}
+        for slot in range(self._read(lambda: int(nvml.nvmlDeviceGetMaxMigDeviceCount(gpu.handle))) or 0):
+            mig = self._read(partial(nvml.nvmlDeviceGetMigDeviceHandleByIndex, gpu.handle, slot))
+            if mig is None:
+                continue  # an empty slot
+            gi = self._read(partial(nvml.nvmlDeviceGetGpuInstanceId, mig))
+            ci = self._read(partial(nvml.nvmlDeviceGetComputeInstanceId, mig))
+            uuid = self._read(partial(nvml.nvmlDeviceGetUUID, mig))
+            if gi is not None and ci is not None and uuid is not None:
+                found[(int(gi), int(ci))] = text(uuid)
+        return found
 
     def _sm_shares(self, gpu: GpuInfo) -> dict[int, float]:
         """Each process's SM share in the samples newer than the last read (NOT_FOUND: none since)."""

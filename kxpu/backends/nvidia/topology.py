@@ -18,13 +18,15 @@ PCIe advantage, and NUMA only breaks ties. Sets are enumerated exactly when that
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
+import uuid as uuidlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kxpu.backends.nvidia.discovery import GpuInfo
+from kxpu.backends.nvidia.discovery import GpuInfo, linux_pci_address
 from kxpu.backends.nvidia.nvml import Nvml, describe, text
 from kxpu.logs import get_logger
 
@@ -91,6 +93,58 @@ def measure(nvml: Nvml, gpus: Sequence[GpuInfo]) -> Topology:
         except nvml.NVMLError as exc:
             log.debug("no PCIe topology for a GPU pair", a=a.uuid, b=b.uuid, error=describe(exc))
     return topo
+
+
+def link_domains(nvml: Nvml, gpus: Sequence[GpuInfo]) -> dict[str, str]:
+    """GPU UUID → its NVLink island on this node (``nvlink-<lowest PCI address in it>``): GPUs joined by
+    NVLink, directly or through one NVSwitch, transitively. A GPU with no NVLink to another is in none."""
+    usable = [g for g in gpus if g.error is None and g.handle is not None and g.pci_bus_id]
+    gpu_by_bus = {linux_pci_address(g.pci_bus_id or ""): g.uuid for g in usable}
+    parent = {g.uuid: g.uuid for g in usable}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    switch_members: dict[str, str] = {}  # remote (NVSwitch) address → the first GPU seen on it
+    linked: set[str] = set()
+    for gpu in usable:
+        for remote in _links(nvml, gpu):
+            address = linux_pci_address(remote) if ":" in remote else remote
+            other = gpu_by_bus.get(address) or switch_members.setdefault(address, gpu.uuid)
+            if other != gpu.uuid:
+                parent[find(gpu.uuid)] = find(other)
+                linked |= {gpu.uuid, other}
+    first: dict[str, str] = {}
+    for gpu in sorted(usable, key=lambda g: linux_pci_address(g.pci_bus_id or "")):
+        if gpu.uuid in linked:
+            first.setdefault(find(gpu.uuid), linux_pci_address(gpu.pci_bus_id or ""))
+    return {u: f"nvlink-{first[find(u)]}" for u in linked}
+
+
+def fabric_clique(nvml: Nvml, gpu: GpuInfo) -> str | None:
+    """The GPU's NVLink fabric clique, ``<cluster UUID>.<clique ID>``, as NVIDIA's GPU feature discovery and
+    DRA driver name it (``nvidia.com/gpu.clique``): GPUs of one clique share a multi-node NVLink domain.
+    None where the fabric is not supported, not (yet) registered, or has no cluster (single-node NVLink)."""
+    getter = getattr(nvml, "nvmlDeviceGetGpuFabricInfo", None)
+    struct = getattr(nvml, "c_nvmlGpuFabricInfo_t", None)
+    if getter is None or struct is None or gpu.handle is None or gpu.error is not None:
+        return None
+    info = struct()
+    try:
+        getter(gpu.handle, ctypes.byref(info))
+    except nvml.NVMLError as exc:
+        log.debug("no NVLink fabric info", gpu=gpu.uuid, error=describe(exc))
+        return None
+    completed = int(getattr(nvml, "NVML_GPU_FABRIC_STATE_COMPLETED", 3))
+    if int(info.state) != completed or int(info.status) != int(nvml.NVML_SUCCESS):
+        return None
+    cluster = bytes(info.clusterUuid)
+    if not any(cluster):
+        return None
+    return f"{uuidlib.UUID(bytes=cluster)}.{int(info.cliqueId)}"
 
 
 def set_score(members: Sequence[str], pair: Callable[[str, str], PairScore]) -> PairScore:
