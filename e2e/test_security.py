@@ -154,6 +154,68 @@ def slice_body(
     }
 
 
+CLAIMS = f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaims"
+APPLY = "application/apply-patch+yaml"
+OTHER_POOL = "sec-other-pool"
+KEEPER = {"apiGroup": "example.com", "resource": "keepers", "name": "sec-keeper", "uid": "sec-keeper-uid"}
+
+
+def claim_allocated(
+    name: str, node: str, devices: list[tuple[str, str, str]], reserved: bool
+) -> tuple[Any, Any]:
+    """A ResourceClaim and the status the scheduler would give it: ``devices`` (driver, pool, device) allocated on
+    ``node`` (a node-local allocation), reserved for a consumer or not."""
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": "sec-none"}}]}},
+    }
+    status = {
+        "allocation": {
+            "devices": {
+                "results": [{"request": "r", "driver": d, "pool": p, "device": n} for d, p, n in devices]
+            },
+            "nodeSelector": {
+                "nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+                ]
+            },
+        },
+        "reservedFor": [KEEPER] if reserved else [],
+    }
+    return claim, {"status": status}
+
+
+def device_entry(driver: str, pool: str, device: str) -> dict[str, Any]:
+    """A status.devices entry as kxpu.dra.claim_status writes it."""
+    return {
+        "driver": driver,
+        "pool": pool,
+        "device": device,
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "Prepared",
+                "message": "e2e",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }
+        ],
+        "data": {"id": device},
+    }
+
+
+def claim_status_apply(name: str, uid: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the daemon sends: a server-side apply of the status subresource (kxpu.dra.kube.apply_claim_status)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid},
+        "status": {"devices": entries} if entries else {},
+    }
+
+
 FAULTY_DEVICES = [
     {"name": f"sec-{effect.lower()}", "taints": [{"key": key, "value": "xid-79", "effect": effect}]}
     for key, effect in (
@@ -292,6 +354,16 @@ def secured(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "-",
             input=json.dumps(slice_body("sec-admin-other-driver", NODE_NAME, OTHER_DRIVER)),
         )
+        own_devices = [(DRIVER, NODE_NAME, "d0"), (OTHER_DRIVER, NODE_NAME, "o0"), (DRIVER, OTHER_POOL, "d1")]
+        for name, node, devices, reserved in (
+            ("sec-claim-own", NODE_NAME, own_devices, True),
+            ("sec-claim-unreserved", NODE_NAME, [(DRIVER, NODE_NAME, "d0")], False),
+            ("sec-claim-other-node", OTHER_NODE, [(DRIVER, OTHER_NODE, "d0")], True),
+        ):
+            claim, status = claim_allocated(name, node, devices, reserved)
+            k("create", "-f", "-", input=json.dumps(claim))
+            k("patch", "resourceclaim", name, "-n", NAMESPACE, "--subresource=status", "--type=merge",
+              "-p", json.dumps(status))  # fmt: skip
         yield cluster
 
 
@@ -735,3 +807,75 @@ def test_a_scheduler_token_does_what_the_two_schedulers_do(secured: Cluster) -> 
     assert {"type": "PodScheduled", "reason": "Unschedulable"} in [
         {"type": c["type"], "reason": c.get("reason")} for c in gated["status"]["conditions"]
     ]
+
+
+def claim_path(name: str) -> str:
+    return f"{CLAIMS}/{name}/status?fieldManager=kxpu-{DRIVER}&force=true"
+
+
+def claim_uid(cluster: Cluster, name: str) -> str:
+    return str(cluster.kubectl_json("get", "resourceclaim", name, "-n", NAMESPACE)["metadata"]["uid"])
+
+
+def test_a_node_token_writes_only_its_drivers_claim_status_on_its_node(secured: Cluster) -> None:
+    """status.devices (kxpu.dra.claim_status): the daemon's token writes and removes its driver's entries of a claim
+    allocated to its node and reserved for a consumer; everything else is refused, by the API server's own check
+    (associated-node on resourceclaims/driver, resourceclaims/binding) or the chart's policy, or both."""
+    cluster = secured
+    daemon = component_pod(cluster, "plugin")
+    node = Api(cluster, node_token(cluster, daemon["metadata"]["name"]))
+    by_policy = f"ValidatingAdmissionPolicy '{POLICY}'"
+    own, unreserved, other = (
+        claim_uid(cluster, n) for n in ("sec-claim-own", "sec-claim-unreserved", "sec-claim-other-node")
+    )
+
+    def apply(name: str, uid: str, *entries: dict[str, Any]) -> tuple[int, str]:
+        return node.send("PATCH", claim_path(name), claim_status_apply(name, uid, list(entries)), APPLY)
+
+    refused_by_either = {
+        "an entry on another node's claim": apply(
+            "sec-claim-other-node", other, device_entry(DRIVER, OTHER_NODE, "d0")
+        ),
+        "another driver's entry on its own node's claim": apply(
+            "sec-claim-own", own, device_entry(OTHER_DRIVER, NODE_NAME, "o0")
+        ),
+        "the claim's allocation": node.send(
+            "PATCH", f"{CLAIMS}/sec-claim-own/status", {"status": {"allocation": None}}, MERGE
+        ),
+        "the claim's consumers": node.send(
+            "PATCH", f"{CLAIMS}/sec-claim-own/status", {"status": {"reservedFor": None}}, MERGE
+        ),
+    }
+    for what, (status, message) in refused_by_either.items():
+        assert status in (403, 422), f"{what}: allowed ({status})"
+        assert by_policy in message or "resourceclaims/" in message, f"{what}: refused, but why? {message}"
+    # What the API server's check lets through (the driver's device, allocated, on the caller's node), the policy
+    # refuses: an entry in another pool, an entry on a claim no one uses.
+    refused_by_policy = {
+        "an entry in another pool": apply("sec-claim-own", own, device_entry(DRIVER, OTHER_POOL, "d1")),
+        "an entry on a claim reserved for no one": apply(
+            "sec-claim-unreserved", unreserved, device_entry(DRIVER, NODE_NAME, "d0")
+        ),
+    }
+    for what, (status, message) in refused_by_policy.items():
+        assert status == 403, f"{what}: allowed ({status}): {message}"
+        assert by_policy in message, f"{what}: refused, but not by the policy: {message}"
+    # Past the policy and RBAC, no verb at all: the claim itself.
+    status, message = node.send(
+        "PATCH", f"{CLAIMS}/sec-claim-own", {"metadata": {"labels": {"x": "y"}}}, MERGE
+    )
+    assert status == 403, message
+
+    # Allowed: its driver's entry on its own node's claim, then removing it (an apply of none); the others stay.
+    status, message = apply("sec-claim-own", own, device_entry(DRIVER, NODE_NAME, "d0"))
+    assert status == 200, f"its own entry refused ({status}): {message}"
+    devices = cluster.kubectl_json("get", "resourceclaim", "sec-claim-own", "-n", NAMESPACE)["status"][
+        "devices"
+    ]
+    assert [(d["driver"], d["device"]) for d in devices] == [(DRIVER, "d0")]
+    status, message = apply("sec-claim-own", own)
+    assert status == 200, f"removing its own entry refused ({status}): {message}"
+    after = cluster.kubectl_json("get", "resourceclaim", "sec-claim-own", "-n", NAMESPACE)
+    assert not after["status"].get("devices")
+    assert after["status"]["allocation"]["devices"]["results"][0]["device"] == "d0"
+    assert after["status"]["reservedFor"] == [KEEPER]

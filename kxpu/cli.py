@@ -290,6 +290,7 @@ def _dra(
         config.pod_resources_socket,
         close=kube.close,
         claim_cache=ClaimCache(resource.dra_driver, node, kube) if resource.dra.claim_cache else None,
+        status_api=kube,
         instance=_pod_uid(),
     )
     if leftovers is not None:  # never prepare what a drained (renamed or removed) driver's claims still hold
@@ -323,6 +324,7 @@ def _leftovers(config: Config, node: str) -> Any:
             kube,
             settings,
             close=kube.close,
+            status_api=kube,
             instance=_pod_uid(),
         )
 

@@ -70,6 +70,7 @@ class Rig:
             self.api,
             self.api,
             resource.dra,
+            status_api=self.api,
         )
 
     async def start(self, config: Config | None = None, reload: Callable[[], Config] | None = None) -> Daemon:

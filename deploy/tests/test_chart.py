@@ -823,6 +823,13 @@ def test_dra_rbac_is_exact(dra: Rendered) -> None:
         ("", "events", (), ("create",)),
         ("", "nodes", (), ("get",)),
         ("resource.k8s.io", "resourceclaims", (), ("get", "list", "watch")),
+        (
+            "resource.k8s.io",
+            "resourceclaims/driver",
+            ("npu.example.com", "gpu.nvidia.com"),
+            ("associated-node:patch",),
+        ),
+        ("resource.k8s.io", "resourceclaims/status", (), ("patch",)),
         ("resource.k8s.io", "resourceslices", (), ("list", "watch", "create", "update", "delete")),
     ]
     assert "ClusterRole/kxpu-plugin-dra" in bound_roles(dra, "kxpu-plugin")

@@ -159,6 +159,62 @@ def test_the_policy_allows_only_the_releases_drivers(rendered: dict[str, Rendere
     assert variables(rendered["sharing"].one("ValidatingAdmissionPolicy", POLICY))["drivers"] == "[]"
 
 
+def claim_rules(rendered: Rendered) -> list[dict[str, Any]]:
+    return [
+        rule
+        for role in roles_of(rendered, PLUGIN_SA)
+        for rule in role["rules"]
+        if {"resourceclaims/status", "resourceclaims/driver"} & set(rule.get("resources", []))
+    ]
+
+
+def test_claim_status_writes_get_exactly_what_the_api_server_checks(
+    helm: Path, rendered: dict[str, Rendered]
+) -> None:
+    """status.devices (kxpu.dra.claim_status): patch of resourceclaims/status, and the API server's per-driver check
+    (1.36+: the synthetic resourceclaims/driver subresource) only as associated-node (claims on the caller's own
+    node), for the release's reporting drivers by name; never arbitrary-node. Drivers that turn it off get none."""
+    status, driver = claim_rules(rendered["dra"])
+    assert status == {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceclaims/status"],
+        "verbs": ["patch"],
+    }
+    assert driver == {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceclaims/driver"],
+        "resourceNames": ["npu.example.com", "gpu.nvidia.com"],
+        "verbs": ["associated-node:patch"],
+    }
+    assert claim_rules(rendered["sharing"]) == []
+    quiet = template(
+        helm,
+        *DRA,
+        "--set-json",
+        'config.resources=[{"name":"example.com/npu","simulated":{},"serve":"dra","dra":{"claimStatus":false}}]',
+        "--set-json",
+        "nodeConfigs={}",
+    )
+    assert claim_rules(quiet) == []
+    # The policy sees the writes and holds them to the caller's node, its drivers' entries, the node's pool.
+    policy = rendered["dra"].one("ValidatingAdmissionPolicy", POLICY)
+    assert ("resource.k8s.io", "resourceclaims/status", "UPDATE") in policy_matches(policy)
+    (check,) = [
+        v["expression"]
+        for v in policy["spec"]["validations"]
+        if "variables.kind != 'resource.k8s.io/resourceclaims' ||" in v["expression"]
+    ]
+    for part in (
+        "variables.subResource == 'status'",
+        "variables.claimNode == variables.node",
+        "variables.sameBinding && variables.othersKept",
+        "d.pool == variables.node",
+        "oldObject.status.?reservedFor.orValue([]).size() > 0",
+    ):
+        assert part in check, part
+    assert "matchFields[0].key == 'metadata.name'" in variables(policy)["claimNode"]
+
+
 @pytest.mark.parametrize("name", ["sharing", "sharing+dra"])
 def test_node_roles_read_keys_by_name_and_write_nothing_cluster_wide_but_scoped_kinds(
     rendered: dict[str, Rendered], name: str
@@ -170,6 +226,7 @@ def test_node_roles_read_keys_by_name_and_write_nothing_cluster_wide_but_scoped_
         ("", "events"),
         ("coordination.k8s.io", "leases"),
         ("resource.k8s.io", "resourceslices"),
+        ("resource.k8s.io", "resourceclaims/status"),  # status.devices: the policy scopes it (below)
     }
     for role in roles_of(r, PLUGIN_SA):
         for rule in role["rules"]:

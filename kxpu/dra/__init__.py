@@ -5,6 +5,8 @@ into CDI specs, registered with the kubelet through plugin registration.
   reading a claim's allocation and per-claim config;
 - ``checkpoint``, ``prepare``: NodePrepareResources / NodeUnprepareResources, their CDI specs and their
   record on disk;
+- ``claim_status``, ``metadata``: what a prepared claim tells back, in its ``status.devices`` (written in the
+  background) and as files in the container (KEP-5304);
 - ``service``: the kubelet-facing gRPC services (DRAPlugin v1/v1beta1, health, registration);
 - ``publisher`` + ``kube``: ResourceSlices in the API server (``kube`` is the only module here that
   imports the Kubernetes client);

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kxpu.dra import metrics
+from kxpu.dra.metadata import POD_CLAIM_NAME
 from kxpu.kube.watch import keep_watching
 from kxpu.logs import get_logger
 
@@ -102,8 +103,13 @@ def trim(claim: Mapping[str, Any], driver: str, pool: str) -> dict[str, Any] | N
     if not any(r.get("pool") == pool for r in mine):
         return None
     configs = _get(allocation, "devices", "config")
+    kept_meta: dict[str, Any] = {k: meta.get(k) for k in ("namespace", "name", "uid")}
+    # A template claim's name in its pod: where the container finds its device metadata (kxpu.dra.metadata).
+    pod_claim = _get(meta, "annotations", POD_CLAIM_NAME)
+    if isinstance(pod_claim, str):
+        kept_meta["annotations"] = {POD_CLAIM_NAME: pod_claim}
     return {
-        "metadata": {k: meta.get(k) for k in ("namespace", "name", "uid")},
+        "metadata": kept_meta,
         "status": {
             "allocation": {
                 "devices": {

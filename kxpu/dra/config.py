@@ -186,6 +186,18 @@ class DraConfig(BaseModel):
         "prepare needs no GET; false: a GET per prepare, get alone suffices",
     )
 
+    claim_status: bool = Field(
+        default=True,
+        description="after prepare, write each device's conditions and data (ID, UUID, model, memory, share, "
+        "partition, health) into the claim's status.devices, removed at unprepare; in the background, best "
+        "effort (needs resourceclaims/status patch and associated-node:patch on resourceclaims/driver)",
+    )
+    device_metadata: bool = Field(
+        default=False,
+        description="KEP-5304: mount each request's devices and their attributes into the container as "
+        "/var/run/kubernetes.io/dra-device-attributes/…/<driver>-metadata.json (opt-in, as upstream)",
+    )
+
     @field_validator("driver_name")
     @classmethod
     def _driver(cls, value: str | None) -> str | None:

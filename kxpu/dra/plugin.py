@@ -42,8 +42,10 @@ from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import Checkpoint
 from kxpu.dra.claim_cache import ClaimCache, reserved_pods
+from kxpu.dra.claim_status import ClaimStatusApi, ClaimStatusWriter
 from kxpu.dra.config import DraConfig, check_dra_socket_paths, check_instance, dra_socket, registration_socket
 from kxpu.dra.instances import HostLock
+from kxpu.dra.metadata import MetadataWriter
 from kxpu.dra.prepare import ClaimSource, Preparer
 from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
@@ -147,6 +149,7 @@ class DraPlugin:
         pod_resources: Path | None = None,
         close: Callable[[], Awaitable[None]] | None = None,
         claim_cache: ClaimCache | None = None,
+        status_api: ClaimStatusApi | None = None,
         instance: str | None = None,
     ) -> None:
         settings = settings or DraConfig()
@@ -180,6 +183,15 @@ class DraPlugin:
             TaintPolicy(settings.taints.effects()),
         )
         self.claim_cache = self.preparer.claim_cache = claim_cache
+        self.preparer.metadata_dir = self.plugin_dir
+        if settings.device_metadata:
+            self.preparer.metadata = MetadataWriter(driver, self.plugin_dir, settings.cdi_spec_dir)
+        self.claim_status = (
+            ClaimStatusWriter(driver, status_api)
+            if status_api is not None and settings.claim_status
+            else None
+        )
+        self.preparer.status = self.claim_status
         shares = settings.shares
         policy = (
             SharePolicy(
@@ -273,6 +285,8 @@ class DraPlugin:
                 tasks.create_task(self._release_deleted_claims())
                 if self.claim_cache is not None:
                     tasks.create_task(self.claim_cache.run())
+                if self.claim_status is not None:
+                    tasks.create_task(self.claim_status.run())
                 tasks.create_task(self._watch_slices())
                 tasks.create_task(self._watch_dirs())
                 tasks.create_task(self._serve_loop())

@@ -38,7 +38,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,9 +56,10 @@ from kxpu.dra.checkpoint import (
 from kxpu.dra.claim_cache import ClaimCache
 from kxpu.dra.claims import AllocatedDevice, ClaimAllocation, ClaimError, allocation_for
 from kxpu.dra.config import DraSharesConfig
+from kxpu.dra.metadata import MetadataDevice, MetadataWriter, pod_claim_name
 from kxpu.dra.names import claim_cdi_device, claim_cdi_kind, device_name, parent_request
 from kxpu.dra.quantity import as_mib, parse_quantity
-from kxpu.dra.slices import SharePolicy
+from kxpu.dra.slices import SharePolicy, device_attributes
 from kxpu.dra.taints import TaintPolicy, tolerates
 from kxpu.logs import error_text, get_logger, one_line
 from kxpu.model import (
@@ -100,6 +101,20 @@ class ClaimSource(Protocol):
         ...
 
 
+class StatusReporter(Protocol):
+    """Where prepared claims are reported back (``kxpu.dra.claim_status.ClaimStatusWriter``): never blocks."""
+
+    def busy(self) -> None:
+        """The kubelet is calling."""
+        ...
+
+    def prepared(
+        self, ref: ClaimRef, node: str, devices: Sequence[tuple[PreparedDevice, Device | None]]
+    ) -> None: ...
+
+    def clear(self, ref: ClaimRef) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     devices: tuple[PreparedDevice, ...] = ()
@@ -125,11 +140,18 @@ class Preparer:
         self.pool = pool
         self.backend = backend
         self._by_name: dict[str, Device] = {}
+        self.status: StatusReporter | None = None
         self.update_devices(devices or {})
         self.checkpoint = checkpoint
         self.cdi_dir = cdi_dir
         self.claims = claims
         self.claim_cache: ClaimCache | None = None  # set by the plugin when it watches the node's claims
+        # dra.deviceMetadata: each request's devices as a file in the container (kxpu.dra.metadata); the files
+        # live under metadata_dir (the driver's directory in the kubelet's plugins directory).
+        self.metadata: MetadataWriter | None = None
+        self.metadata_dir = cdi_dir
+        # dra.claimStatus: the claim's status.devices, written in the background (kxpu.dra.claim_status); set by
+        # the plugin (declared above, before the first update_devices)
         self.cdi_kind = claim_cdi_kind(driver)
         self.held: frozenset[str] = frozenset()  # IDs pods still hold through the device plugin
         # Devices claims of another driver of this node still hold (a driver renamed across a restart, its claims
@@ -151,8 +173,23 @@ class Preparer:
         )
 
     def update_devices(self, devices: Mapping[str, Device]) -> None:
-        """The backend's latest snapshot (ID → device)."""
-        self._by_name = {device_name(d.id): d for d in devices.values()}
+        """The backend's latest snapshot (ID → device). A device whose health changed is reported again in the
+        status of the claims prepared with it."""
+        before, self._by_name = self._by_name, {device_name(d.id): d for d in devices.values()}
+        if self.status is None or not before:
+            return
+        changed = {
+            name
+            for name, device in self._by_name.items()
+            if name in before
+            and (before[name].healthy, before[name].health_reason) != (device.healthy, device.health_reason)
+        }
+        if not changed:
+            return
+        for uid, claim in self.checkpoint.claims.items():
+            devices_of = [(d, self._by_name.get(d.device)) for d in claim.devices]
+            if any(d.device in changed for d, _ in devices_of) and all(found for _, found in devices_of):
+                self.status.prepared(ClaimRef(claim.namespace, uid, claim.name), self.pool, devices_of)
 
     def spec_path(self, uid: str) -> Path:
         return self.cdi_dir / f"kxpu-dra-{self.driver}-{uid}.json"
@@ -163,6 +200,8 @@ class Preparer:
         becomes that claim's one-line error). The claims are read from the API server before the lock is
         taken, and events posted after it is released: a slow API server never holds up the node's other
         prepares and unprepares."""
+        if self.status is not None:
+            self.status.busy()
         fetched = await self._fetch([r for r in refs if not self._known(r)])
         results: dict[str, Prepared] = {}
         failed: list[tuple[ClaimRef, str]] = []
@@ -250,8 +289,11 @@ class Preparer:
         # From here on, whatever stops this prepare (a refusal, the backend, the kubelet's deadline cancelling
         # the call) releases the partitions just made and removes what was written: nothing is left behind.
         spec_path: Path | None = None
+        by_name = {allocated.device: device for allocated, device in chosen}
         try:
             prepared, entries = await self._devices_and_edits(ref, allocation, chosen, handles)
+            if self.metadata is not None:
+                prepared = self._write_metadata(ref, claim, chosen, prepared)
             spec_path = self._write_spec(ref.uid, entries) if entries else None
             self.checkpoint.claims[ref.uid] = PreparedClaim(
                 ref.namespace, ref.name, str(spec_path) if spec_path else None, tuple(prepared)
@@ -267,6 +309,10 @@ class Preparer:
             self.checkpoint.claims.pop(ref.uid, None)
             if spec_path is not None:
                 spec_path.unlink(missing_ok=True)
+            if self.metadata is not None:
+                with contextlib.suppress(OSError):
+                    requests = {parent_request(a.request) for a in allocation.devices}
+                    self.metadata.remove(ref.namespace, ref.name, ref.uid, requests)
             if await self._release_quietly(allocation, list(handles.values())):
                 self._forget_making(ref.uid)
             raise
@@ -277,7 +323,44 @@ class Preparer:
             devices={d.device: d.id for d in prepared},
             cdi=[c for d in prepared for c in d.cdi_device_ids],
         )
+        if self.status is not None:
+            self.status.prepared(ref, self.pool, [(p, by_name.get(p.device)) for p in prepared])
         return tuple(prepared)
+
+    def _write_metadata(
+        self,
+        ref: ClaimRef,
+        claim: Mapping[str, Any],
+        chosen: list[tuple[AllocatedDevice, Device]],
+        prepared: list[PreparedDevice],
+    ) -> list[PreparedDevice]:
+        """The metadata files and their CDI specs; each request's CDI device is added to its first device. Best
+        effort, as upstream's helper: a claim whose files cannot be written is prepared without them."""
+        assert self.metadata is not None
+        devices = [
+            MetadataDevice(allocated.request, allocated.pool, allocated.device, device_attributes(device))
+            for allocated, device in chosen
+        ]
+        try:
+            ids = self.metadata.write(ref.namespace, ref.name, ref.uid, pod_claim_name(claim), devices)
+        except OSError as exc:
+            self.log.warning(
+                "cannot write the device metadata files; the container starts without them",
+                claim=ref.ref,
+                error=one_line(str(exc.strerror or exc)),
+            )
+            with contextlib.suppress(OSError):
+                self.metadata.remove(
+                    ref.namespace, ref.name, ref.uid, {parent_request(d.request) for d in devices}
+                )
+            return prepared
+        out = []
+        for device in prepared:
+            request = device.requests[0]
+            if request in ids:
+                device = replace(device, cdi_device_ids=(*device.cdi_device_ids, ids.pop(request)))
+            out.append(device)
+        return out
 
     async def _devices_and_edits(
         self,
@@ -731,6 +814,8 @@ class Preparer:
 
     # -- unprepare --------------------------------------------------------------------------------------
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
+        if self.status is not None:
+            self.status.busy()
         async with self._lock, self.checkpoint.exclusive():
             return await self._unprepare_locked(refs)
 
@@ -786,6 +871,8 @@ class Preparer:
             try:
                 for path in paths:
                     path.unlink(missing_ok=True)
+                if known is not None:
+                    self._remove_metadata(ref.uid, known)
             except OSError as exc:
                 results[ref.uid] = self._unprepare_failure(ref, "cannot remove its CDI spec", exc)
                 continue
@@ -808,8 +895,19 @@ class Preparer:
                     results[uid] = str(exc)
             else:
                 self.changed.set()
+                if self.status is not None:
+                    for uid, claim in removed.items():
+                        self.status.clear(ClaimRef(claim.namespace, uid, claim.name))
         metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
         return results
+
+    def _remove_metadata(self, uid: str, known: PreparedClaim) -> None:
+        """The claim's metadata files, if it was prepared with them (its CDI IDs say so, whatever
+        dra.deviceMetadata says now)."""
+        writer = self.metadata or MetadataWriter(self.driver, self.metadata_dir, self.cdi_dir)
+        requests = writer.requests_of(c for d in known.devices for c in d.cdi_device_ids)
+        if requests:
+            writer.remove(known.namespace, known.name, uid, requests)
 
     def _unprepare_failure(self, ref: ClaimRef, what: str, exc: Exception) -> str:
         detail = exc.strerror or str(exc) if isinstance(exc, OSError) else error_text(exc)
@@ -838,6 +936,10 @@ class Preparer:
             if uid not in self.checkpoint.claims and _spec_kind(path) == self.cdi_kind:
                 path.unlink(missing_ok=True)
                 removed.append(path)
+        writer = self.metadata or MetadataWriter(self.driver, self.metadata_dir, self.cdi_dir)
+        for path in writer.orphans(set(self.checkpoint.claims)):
+            writer.remove_orphan(path)
+            removed.append(path)
         return removed
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +36,11 @@ def _load() -> Any:
         if _lk is not None:
             return _lk
         from lightkube import ApiError
+        from lightkube.core.resource import ApiInfo
         from lightkube.generic_resource import (
             GenericGlobalResource,
             GenericNamespacedResource,
+            GenericNamespacedStatus,
             create_api_info,
         )
         from lightkube.resources.core_v1 import Node
@@ -54,8 +56,25 @@ def _load() -> Any:
         class Slice(GenericGlobalResource):
             _api_info = create_api_info("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
 
-        _lk = SimpleNamespace(ApiError=ApiError, Node=Node, Claim=Claim, Slice=Slice, kube=client)
+        class ClaimStatus(GenericNamespacedStatus):
+            _api_info = ApiInfo(
+                resource=Claim._api_info.resource,
+                parent=Claim._api_info.resource,
+                plural="resourceclaims",
+                verbs=["get", "patch", "put"],
+                action="status",
+            )
+
+        _lk = SimpleNamespace(
+            ApiError=ApiError, Node=Node, Claim=Claim, ClaimStatus=ClaimStatus, Slice=Slice, kube=client
+        )
         return _lk
+
+
+def _apply_patch() -> Any:
+    from lightkube.types import PatchType
+
+    return PatchType.APPLY
 
 
 class DraKube:
@@ -136,6 +155,42 @@ class DraKube:
         lk, client = await self._api()
         async for kind, claim in client.watch(lk.Claim, namespace="*", resource_version=version):
             yield kind, claim
+
+    # -- ClaimStatusApi ---------------------------------------------------------------------------------
+    async def apply_claim_status(
+        self, namespace: str, name: str, uid: str, devices: Sequence[Mapping[str, Any]]
+    ) -> bool:
+        """Server-side apply of the status subresource, as field manager ``kxpu-<driver>``: it owns this driver's
+        entries and no others, so applying none removes them. The UID in the body makes a claim recreated under
+        the same name refuse the write."""
+        from kxpu.dra.claim_status import StatusWriteError
+
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "status": {"devices": list(devices)} if devices else {},
+        }
+        try:
+            lk, client = await self._api()
+            await client.patch(
+                lk.ClaimStatus,
+                name,
+                body,
+                namespace=namespace,
+                patch_type=_apply_patch(),
+                field_manager=f"kxpu-{self.driver}",
+                force=True,
+            )
+        except Exception as exc:
+            lk = _lk
+            if lk is not None and isinstance(exc, lk.ApiError):
+                code = int(getattr(exc.status, "code", 0) or 0)
+                if code in (404, 409) or (code == 422 and not devices and "uid" in str(exc).lower()):
+                    return False  # the claim (with this UID) is gone
+                raise StatusWriteError(error_text(exc), transient=code == 429 or code >= 500) from None
+            raise StatusWriteError(error_text(exc), transient=True) from None
+        return True
 
     async def claim_event(self, claim: ClaimRef, reason: str, message: str) -> None:
         try:

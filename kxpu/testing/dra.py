@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import copy
 import itertools
+import json
 import re
 import time
 import uuid
@@ -39,6 +40,7 @@ from kxpu.api.drahealth.v1 import api_pb2_grpc as health_grpc
 from kxpu.api.pluginregistration.v1 import api_pb2 as reg
 from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from kxpu.daemon.registration import FileIdentity, file_identity
+from kxpu.dra.claim_status import StatusWriteError
 from kxpu.dra.names import is_dns_label
 from kxpu.dra.prepare import ClaimRef
 from kxpu.dra.quantity import parse_quantity
@@ -164,6 +166,9 @@ class FakeDraApi:
         self.events: list[tuple[ClaimRef, str, str]] = []
         self.writes = 0
         self.fail_next: Exception | None = None
+        self.status_writes = 0
+        self.status_failures: list[Exception] = []
+        self.status_driver = "npu.example.com"  # whose entries an empty apply removes (its field manager)
         self._versions = itertools.count(1)
         self._watchers: list[tuple[str, str, asyncio.Queue[tuple[str, dict[str, Any]]]]] = []
 
@@ -336,6 +341,47 @@ class FakeDraApi:
 
     async def claim_event(self, claim: ClaimRef, reason: str, message: str) -> None:
         self.events.append((claim, reason, message))
+
+    # -- ClaimStatusApi (kxpu.dra.claim_status) ----------------------------------------------------------
+    async def apply_claim_status(
+        self, namespace: str, name: str, uid: str, devices: Sequence[Mapping[str, Any]]
+    ) -> bool:
+        """The API server's checks of a status.devices write (resourceclaim strategy, 1.37), then the apply:
+        the caller's driver's entries replaced by ``devices`` (one field manager per driver)."""
+        self.status_writes += 1
+        if self.status_failures:
+            raise self.status_failures.pop(0)
+        claim = self.claims.get((namespace, name))
+        if claim is None or claim["metadata"]["uid"] != uid:
+            return False
+        allocated = {
+            (r["driver"], r["pool"], r["device"], r.get("shareID"))
+            for r in (claim["status"].get("allocation") or {}).get("devices", {}).get("results", [])
+        }
+        for n, d in enumerate(devices):
+            key = (d["driver"], d["pool"], d["device"], d.get("shareID"))
+            if key not in allocated:
+                raise StatusWriteError(
+                    f"status.devices[{n}]: must be an allocated device in the claim", False
+                )
+            if len(d.get("conditions", [])) > 8:
+                raise StatusWriteError(f"status.devices[{n}].conditions: must have at most 8 items", False)
+            for c in d.get("conditions", []):
+                if not {"type", "status", "reason", "lastTransitionTime"} <= set(c) or c["status"] not in (
+                    "True",
+                    "False",
+                    "Unknown",
+                ):
+                    raise StatusWriteError(f"status.devices[{n}].conditions: invalid condition {c}", False)
+            data = d.get("data")
+            if data is not None and (not isinstance(data, dict) or len(json.dumps(data)) > 10 * 1024):
+                raise StatusWriteError(f"status.devices[{n}].data: a JSON object of at most 10Ki", False)
+        drivers = {d["driver"] for d in devices} or {self.status_driver}
+        kept = [d for d in claim["status"].get("devices", []) if d["driver"] not in drivers]
+        claim["status"]["devices"] = kept + [copy.deepcopy(dict(d)) for d in devices]
+        if not claim["status"]["devices"]:
+            del claim["status"]["devices"]
+        return True
 
 
 @dataclass

@@ -276,7 +276,8 @@ dra.driverName or the resource name turned around as kxpu derives it (example.co
 {{- $driver := (get . "dra" | default dict).driverName | default $derived }}
 {{- if not (hasKey $seen $driver) }}
 {{- $_ := set $seen $driver true }}
-{{- $drivers = append $drivers (dict "resource" .name "driver" $driver) }}
+{{- $status := get (get . "dra" | default dict) "claimStatus" }}
+{{- $drivers = append $drivers (dict "resource" .name "driver" $driver "claimStatus" (ne (toString $status) "false")) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -286,7 +287,7 @@ dra.driverName or the resource name turned around as kxpu derives it (example.co
 {{- range (.Values.dra.drainingDrivers | default list) }}
 {{- if not (hasKey $seen .) }}
 {{- $_ := set $seen . true }}
-{{- $drivers = append $drivers (dict "resource" "" "driver" . "draining" true) }}
+{{- $drivers = append $drivers (dict "resource" "" "driver" . "draining" true "claimStatus" true) }}
 {{- end }}
 {{- end }}
 {{- toYaml $drivers }}
