@@ -135,6 +135,8 @@ class Preparer:
         self.shares = shares
         self.pool = pool
         self.backend = backend
+        # Asked once (a runtime protocol check costs tens of microseconds, on every claim otherwise).
+        self._allocate_async = backend.allocate_async if isinstance(backend, AsyncAllocator) else None
         self._by_name: dict[str, Device] = {}
         self.update_devices(devices or {})
         self.checkpoint = checkpoint
@@ -710,24 +712,25 @@ class Preparer:
         shared = self.shares is not None and any(
             g.cores < 100 or g.memory_mib < (g.device.memory_mib or 0) for g in grants
         )
-        # Unset: the backend's own way (MPS where it enforces shares itself), else HAMi-core's variables.
         strategy = next(
             (
                 c.sharing.strategy
                 for r, c in allocation.configs.items()
                 if parent_request(r) == request and c.sharing is not None
             ),
-            "MPS" if isinstance(self.backend, ShareAllocator) else "TimeSlicing",
+            None,
         )
         if strategy == "MPS" and not isinstance(self.backend, ShareAllocator):
             raise ClaimError(
                 f"ResourceClaim {allocation.ref}: sharing strategy MPS asked, but driver {self.driver}'s backend cannot "
                 "enforce shares itself (for nvidia: sharing.mps in its config)"
             )
-        if shared and strategy == "MPS" and isinstance(self.backend, ShareAllocator):
+        # Unset: the backend's own way (MPS where it enforces shares itself), else HAMi-core's variables. (The
+        # protocol checks are asked only when they matter: each costs tens of microseconds.)
+        if shared and strategy in (None, "MPS") and isinstance(self.backend, ShareAllocator):
             edits = self.backend.allocate_shares(grants)  # the vendor enforces the grant itself (MPS limits)
-        elif isinstance(self.backend, AsyncAllocator):
-            edits = await self.backend.allocate_async(devices)
+        elif self._allocate_async is not None:
+            edits = await self._allocate_async(devices)
         else:
             edits = self.backend.allocate(devices)
         if shared:
@@ -762,7 +765,8 @@ class Preparer:
         if errors:
             raise BackendError(f"the container edits make an invalid CDI spec: {'; '.join(errors)}")
         path = self.spec_path(uid)
-        write_atomically(path, json.dumps(spec, indent=1) + "\n")
+        # Compact: json's C encoder serves only calls without indent (the indenting one is pure Python).
+        write_atomically(path, json.dumps(spec, separators=(",", ":")) + "\n")
         return path
 
     # -- unprepare --------------------------------------------------------------------------------------
