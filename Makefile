@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml hack/dev-requirements.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --only-binary=:all: --require-hashes \
 		-r hack/dev-requirements.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/python -m compileall -q kxpu  # the first daemon start (an e2e run's) finds its bytecode
 	touch $@
 
 ## Everything CI runs.
