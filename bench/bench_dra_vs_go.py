@@ -282,7 +282,7 @@ async def run_contender(
         refs: list[ClaimRef] = []
 
         async def make(i: int) -> None:
-            name = f"vs-{c.name}-{tag}-{i:04d}"
+            name = f"vs-{c.name.replace('@', '-')}-{tag}-{i:04d}"
             refs.append(await allocated_claim(client, name, c.driver, NODE, c.device.format(i=i % DEVICES)))
 
         await gather_limited(16, [make(i) for i in range(claims)])
