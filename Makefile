@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: dev test lint unit unit-newest e2e demo demo-standin bench proto clean helm helm-check manifests image image-lock \
+.PHONY: dev test lint unit unit-newest e2e demo demo-standin bench proto clean helm helm-check manifests chart image image-lock \
 	cluster-build cluster-up cluster-down
 ROOT   := $(shell id -u)
 # The oldest Kubernetes release kxpu supports (hack/cluster/k8s/<release>); the newest is the default everywhere.
@@ -115,6 +115,10 @@ manifests: helm
 ## The kxpu image as an OCI archive (out/kxpu-image.tar), without a container engine (root).
 image: dev
 	hack/image/build.sh
+
+## The chart packaged for a registry (out/kxpu-<version>.tgz; `helm push` it to an oci:// repository).
+chart: helm
+	hack/helm/package.sh
 
 ## Re-pin the image's Python dependencies after pyproject.toml changes.
 image-lock: dev

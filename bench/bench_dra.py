@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from measure import cpu_seconds, percentile
 
 from e2e.cluster import Cluster, held_up
-from kxpu.dra.kube import DraKube
 from kxpu.dra.prepare import ClaimRef
 from kxpu.dra.publisher import SlicePublisher
+from kxpu.kube.dra import DraKube
 from kxpu.model import Device
 from kxpu.testing.dra import DraKubeletStandIn
 

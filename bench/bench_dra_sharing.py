@@ -85,10 +85,10 @@ from packing import first_fit_decreasing, lower_bound
 
 from e2e.cluster import Cluster, held_up
 from e2e.sharing_support import CORES, EXTENDER_METRICS_PORT, MEM, NS, RES, Sharing
-from kxpu.dra.kube import DraKube
 from kxpu.dra.publisher import SlicePublisher
 from kxpu.dra.quantity import as_mib, parse_quantity
 from kxpu.dra.slices import SharePolicy
+from kxpu.kube.dra import DraKube
 from kxpu.logs import configure_logging
 from kxpu.model import Device
 from kxpu.sharing import inventory, signing

@@ -61,10 +61,10 @@ from measure import cpu_seconds, percentile
 from e2e.cluster import Cluster, held_up
 from e2e.sharing_support import CORES, EXTENDER_METRICS_PORT, MEM, NS, RES, SCHEDULER, SPLIT, Sharing
 from kxpu.kube.client import get_raw
+from kxpu.kube.sharing.api import release
+from kxpu.kube.sharing.lease import LeaseLocks
 from kxpu.sharing import inventory
 from kxpu.sharing.inventory import SHARING_NODE_LABEL
-from kxpu.sharing.kube.api import release
-from kxpu.sharing.kube.lease import LeaseLocks
 from kxpu.sharing.lock import BIND_PHASE_ANNOTATION, LOCK_PROTOCOL_ANNOTATION, allocated_key, lock_key
 from kxpu.sharing.model import NodeInventory, SharedDevice
 from kxpu.timeouts import wait_event

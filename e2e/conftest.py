@@ -24,6 +24,7 @@ import pytest
 
 from e2e import kube
 from e2e.cluster import COMPONENTS, NODE_NAME, REPO, Cluster, ClusterError, exclusive, tail_file
+from kxpu.testing.fakes import import_args
 
 _CLUSTER: Cluster | None = None
 _CONTEXT_KEY = pytest.StashKey["E2E"]()
@@ -112,6 +113,9 @@ class Kxpu:
     def start(self) -> None:
         args = [str(self.binary), "plugin", "--config", str(self.config), "--log-level", "debug"]
         env = None if self.env is None else {**os.environ, **self.env}
+        args += import_args(
+            env or os.environ
+        )  # the fake machine a KXPU_FAKE_* variable names plays when imported
         for module in self.imports:
             args += ["--import", module]
             env = {

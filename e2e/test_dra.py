@@ -296,8 +296,8 @@ def test_publisher_against_the_api_server(e2e: E2E, monkeypatch: Any) -> None:
     accepts (taints included), updated in place with one generation, and garbage-collected with its Node."""
     import asyncio
 
-    from kxpu.dra.kube import DraKube
     from kxpu.dra.publisher import SlicePublisher
+    from kxpu.kube.dra import DraKube
     from kxpu.model import Device, Health
 
     ghost, driver = "kxpu-e2e-ghost", "ghost.example.com"

@@ -21,7 +21,7 @@ from lightkube.types import PatchType
 
 from e2e.cluster import Cluster
 from kxpu.dra.claim_cache import ClaimCache
-from kxpu.dra.kube import DraKube
+from kxpu.kube.dra import DraKube
 
 DRIVER = "npu.example.com"
 NODE = "kxpu-e2e-claim-cache"

@@ -6,6 +6,7 @@ replicas multiply the count."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from e2e import kube
 from e2e.conftest import E2E, kxpu_binary
 from kxpu.testing.fake_nvml import FAKE_NVML_CONTROL_ENV, FAKE_NVML_ENV, send_control
+from kxpu.testing.fakes import import_args
 
 GPU = "nvidia.com/gpu"
 PROFILE = "a100-8x"
@@ -34,7 +36,7 @@ def discovered_uuids(tmp: Path, resource: dict[str, Any]) -> list[str]:
     config = tmp / "probe.yaml"
     config.write_text(json.dumps({"version": "v1", "resources": [resource]}))
     out = subprocess.run(
-        [str(kxpu_binary()), "devices", "--config", str(config), "-o", "json"],
+        [str(kxpu_binary()), "devices", "--config", str(config), "-o", "json", *import_args(os.environ)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -137,7 +137,9 @@ def lease_path(name: str) -> str:
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 
-def slice_body(name: str, node: str, driver: str, pool: str | None = None) -> dict[str, Any]:
+def slice_body(
+    name: str, node: str, driver: str, pool: str | None = None, devices: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """A slice as kxpu publishes it: one pool per node, named after the node (``pool`` to forge another)."""
     return {
         "apiVersion": "resource.k8s.io/v1",
@@ -147,13 +149,23 @@ def slice_body(name: str, node: str, driver: str, pool: str | None = None) -> di
             "driver": driver,
             "nodeName": node,
             "pool": {"name": pool or node, "generation": 1, "resourceSliceCount": 1},
-            "devices": [],
+            "devices": devices or [],
         },
     }
 
 
+FAULTY_DEVICES = [
+    {"name": f"sec-{effect.lower()}", "taints": [{"key": key, "value": "xid-79", "effect": effect}]}
+    for key, effect in (
+        ("kxpu.io/device-lost", "NoExecute"),
+        ("kxpu.io/ecc-fatal", "NoSchedule"),
+        ("kxpu.io/unmonitored", "None"),
+    )
+]
+
+
 def lock_lease(node: str) -> dict[str, Any]:
-    """A node lock Lease as the extender makes it (kxpu.sharing.kube.lease)."""
+    """A node lock Lease as the extender makes it (kxpu.kube.sharing.lease)."""
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
@@ -497,7 +509,10 @@ def test_a_node_token_does_what_the_daemon_does(secured: Cluster) -> None:
         "release its own lock Lease": node.send(
             "PATCH", lease_path(lease_name(NODE_NAME, RES)), {"spec": {"holderIdentity": None}}, MERGE
         ),
-        "create its own slice": node.send("POST", SLICES, slice_body("sec-node-own", NODE_NAME, DRIVER)),
+        # With devices tainted as kxpu taints faults (kxpu.dra.taints), one per effect.
+        "create its own slice": node.send(
+            "POST", SLICES, slice_body("sec-node-own", NODE_NAME, DRIVER, devices=FAULTY_DEVICES)
+        ),
     }
     for what, (status, message) in allowed.items():
         assert status in (200, 201), f"{what}: refused ({status}): {message}"

@@ -24,14 +24,14 @@ from lightkube.types import PatchType
 
 from e2e.cluster import Cluster
 from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
+from kxpu.kube.sharing.api import KubeSchedulerAPI, release
+from kxpu.kube.sharing.informer import Informer
+from kxpu.kube.sharing.keys import KeyStore, publish_public_keys
+from kxpu.kube.sharing.lease import LeaseLocks, LeaseNamespaceMissing
+from kxpu.kube.sharing.node import KubeNodeLink
 from kxpu.model import BackendError
 from kxpu.sharing import signing
 from kxpu.sharing.config import KeySource, SharingConfig
-from kxpu.sharing.kube.api import KubeSchedulerAPI, release
-from kxpu.sharing.kube.informer import Informer
-from kxpu.sharing.kube.keys import KeyStore, publish_public_keys
-from kxpu.sharing.kube.lease import LeaseLocks, LeaseNamespaceMissing
-from kxpu.sharing.kube.node import KubeNodeLink
 from kxpu.sharing.lock import HARD_EXPIRED, allocated_key, lease_name, lock_key
 from kxpu.sharing.node import SharingBackend, parent_id
 from kxpu.sharing.requests import ResourceFamily

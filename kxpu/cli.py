@@ -44,7 +44,7 @@ def _build(resource: ResourceConfig) -> Backend:
             backend, resource.name, resource.cdi_kind, resource.cdi.spec_dir, resource.cdi.annotations
         )
     if resource.sharing is not None:  # outermost: slots over the (CDI-wrapped) physical devices
-        from kxpu.sharing.kube.node import KubeNodeLink
+        from kxpu.kube.sharing.node import KubeNodeLink
         from kxpu.sharing.node import SharingBackend
 
         sharing = resource.sharing
@@ -60,15 +60,15 @@ def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str,
     from kxpu.backends.fakes import check_fake_envs
     from kxpu.daemon import check_socket_paths
 
-    try:
-        check_fake_envs(os.environ)
-    except ValueError as exc:
-        _fail(str(exc))
-    for module in imports:
+    for module in imports:  # extra backends, or a fake machine's library (kxpu.backends.fakes)
         try:
             import_backend_module(module)
         except Exception as exc:  # ImportError, or whatever the module raises as it is imported
             _fail(f"--import {module}: {error_text(exc)}")
+    try:
+        check_fake_envs(os.environ)
+    except ValueError as exc:
+        _fail(str(exc))
     try:
         config = load_config(config_path, device_plugin_dir)
         check_socket_paths(config.device_plugin_dir, [r.name for r in config.resources])
@@ -98,7 +98,7 @@ import_option = click.option(
     "imports",
     multiple=True,
     metavar="MODULE",
-    help="Import a module that registers extra backends (repeatable).",
+    help="Import a module that registers extra backends, or plugs in a fake machine (repeatable).",
 )
 log_level_option = click.option(
     "--log-level",
@@ -186,6 +186,18 @@ def plugin(
     for resource in config.resources:
         if resource.serve == "dra" and not (resource.dra.node_name or node):
             _fail(f"{resource.name}: serving through DRA needs the node name (dra.nodeName or $NODE_NAME)")
+    if _pod_uid() is not None:
+        from kxpu.dra.config import check_dra_socket_paths, check_instance
+
+        try:
+            instance = check_instance(_pod_uid() or "")
+            for resource in config.resources:
+                if resource.serve == "dra":
+                    check_dra_socket_paths(
+                        config.kubelet_plugins_dir, config.plugins_registry_dir, resource.dra_driver, instance
+                    )
+        except ValueError as exc:
+            _fail(str(exc))
 
     def reload() -> Config:
         return load_config(config_path, device_plugin_dir)
@@ -243,13 +255,19 @@ def _http_authorizer() -> Any:
     return ReviewAuthorizer(client)
 
 
+def _pod_uid() -> str | None:
+    """$POD_UID (the chart sets it from the downward API): the DRA sockets are this pod's own, so that a rolling
+    update's new pod serves beside the old one (kxpu.dra.instances); unset, the fixed names."""
+    return os.environ.get("POD_UID") or None
+
+
 def _dra(
     daemon: Any, resource: ResourceConfig, backend: Backend, snapshot: Any, leftovers: Any = None
 ) -> Any:
     """The DRA half of a resource: its API client and the kubelet directories of the running config."""
     from kxpu.dra.claim_cache import ClaimCache
-    from kxpu.dra.kube import DraKube
     from kxpu.dra.plugin import DraPlugin
+    from kxpu.kube.dra import DraKube
 
     node = resource.dra.node_name or os.environ.get("NODE_NAME", "")
     if not node:  # checked at start; a reload may bring a DRA resource without one
@@ -272,6 +290,7 @@ def _dra(
         config.pod_resources_socket,
         close=kube.close,
         claim_cache=ClaimCache(resource.dra_driver, node, kube) if resource.dra.claim_cache else None,
+        instance=_pod_uid(),
     )
     if leftovers is not None:  # never prepare what a drained (renamed or removed) driver's claims still hold
         plugin.preparer.elsewhere = lambda: leftovers.withheld_from(resource.name)
@@ -286,9 +305,9 @@ def _leftovers(config: Config, node: str) -> Any:
     def make(driver: str, resource: ResourceConfig | None) -> Any:
         from kxpu.daemon.snapshot import DeviceSnapshot
         from kxpu.dra.config import DraConfig
-        from kxpu.dra.kube import DraKube
         from kxpu.dra.leftover import NoDevices
         from kxpu.dra.plugin import DraPlugin
+        from kxpu.kube.dra import DraKube
 
         settings = resource.dra if resource is not None else DraConfig()
         kube = DraKube(driver)
@@ -304,6 +323,7 @@ def _leftovers(config: Config, node: str) -> Any:
             kube,
             settings,
             close=kube.close,
+            instance=_pod_uid(),
         )
 
     try:
@@ -315,7 +335,7 @@ def _leftovers(config: Config, node: str) -> Any:
 def _grant_events() -> Any:
     """A Warning event on the pod whose container exceeds its grant (telemetry.events), through the API
     server (lightkube is imported only then; the node daemon needs events: create)."""
-    from kxpu.daemon.telemetry import GrantExceeded
+    from kxpu.daemon.telemetry_snapshot import GrantExceeded
     from kxpu.kube.client import make_client, post_event
 
     clients: list[Any] = []
@@ -465,15 +485,12 @@ def _check_address(option: str, address: str) -> None:
 
 
 def _cluster_status(kubeconfig: Path | None, only: frozenset[str], output: str) -> None:
-    from lightkube import AsyncClient, ConfigError, KubeConfig
-
-    from kxpu.kube.client import FIELD_MANAGER
+    from kxpu.kube.client import ACCESS_ERRORS, make_client
     from kxpu.status import fetch_cluster_status, format_cluster_table
 
     try:
-        config = KubeConfig.from_file(kubeconfig) if kubeconfig else None
-        client = AsyncClient(config=config, field_manager=FIELD_MANAGER)
-    except (ConfigError, OSError) as exc:
+        client = make_client(kubeconfig)
+    except ACCESS_ERRORS as exc:
         _fail(f"no access to the API server: {exc}")
     try:
         result = asyncio.run(fetch_cluster_status(client, only))
@@ -490,11 +507,11 @@ def _check_api_access() -> None:
     """Exit 2 on one line when there is no way to reach the API server at all (no service account, no
     kubeconfig), as ``kxpu status --cluster`` does; an API server that does not answer is the server's
     own one-line failure (exit 1)."""
-    from lightkube import ConfigError, KubeConfig
+    from kxpu.kube.client import ACCESS_ERRORS, check_access
 
     try:
-        KubeConfig.from_env()
-    except (ConfigError, OSError) as exc:
+        check_access()
+    except ACCESS_ERRORS as exc:
         _fail(
             f"no access to the API server: {exc}; run it in a pod with a service account, or set KUBECONFIG"
         )
@@ -514,7 +531,7 @@ def _run_server(what: str, main_task: Any) -> None:
 
 
 def _control_plane_config(path: Path | None) -> Any:
-    from kxpu.sharing.config import SharingConfigError, load_control_plane_config
+    from kxpu.sharing.control_plane import SharingConfigError, load_control_plane_config
 
     try:
         return load_control_plane_config(path)
@@ -623,6 +640,7 @@ def webhook(
             metrics_address,
             config.protected_env,
             config.node_users,
+            config.claim_families() if config.convert_to_claims else None,
         ),
     )
 

@@ -17,19 +17,18 @@ from pydantic.alias_generators import to_camel
 
 import kxpu.backends  # noqa: F401  (registers the built-in backends)
 from kxpu.backends.registry import BackendConfig, known_keys, lookup, refuse_set_while_off
-from kxpu.cdi.spec import validate_kind
+from kxpu.cdi.config import CdiConfig, validate_kind
 from kxpu.dra.config import (
     DEFAULT_KUBELET_PLUGINS_DIR,
     DEFAULT_PLUGINS_REGISTRY_DIR,
     DraConfig,
     check_dra_socket_paths,
+    default_driver_name,
 )
-from kxpu.dra.names import default_driver_name
 from kxpu.logs import one_line
 from kxpu.sharing.config import SharingConfig
 
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
-DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 KUBELET_CHECKPOINT = "kubelet_internal_checkpoint"
 KUBELET_DRA_CHECKPOINT = "dra_manager_state"  # in the kubelet's root directory (--root-dir)
@@ -65,27 +64,6 @@ def check_extended_resource_name(name: str) -> str:
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
-
-
-class CdiConfig(_Model):
-    """``cdi:`` on a resource: write a CDI spec for its devices and allocate by CDI device name."""
-
-    enabled: bool = False
-    spec_dir: Path = DEFAULT_CDI_SPEC_DIR
-    kind: str | None = Field(default=None, description="vendor/class; default: the resource name")
-    annotations: bool = False
-
-    @field_validator("kind")
-    @classmethod
-    def _kind(cls, value: str | None) -> str | None:
-        return None if value is None else validate_kind(value)
-
-    @field_validator("spec_dir")
-    @classmethod
-    def _absolute(cls, value: Path) -> Path:
-        if not value.is_absolute():
-            raise ValueError(f"specDir {value} must be an absolute path")
-        return value
 
 
 class ResourceConfig(_Model):

@@ -7,8 +7,8 @@ Either may be unreachable; what the other says is still shown, with the error.
 Cluster mode asks the API server: each node's extended resources (capacity, allocatable, and
 what its pods request), and for shared devices the published inventory joined with the
 assignments the extender wrote on pods (how much memory and compute each pod got on which
-device). lightkube is imported only there and to read a kubeconfig's token for /status, so the node daemon
-never loads it through this module.
+device). The API server is reached through ``kxpu.kube`` (lightkube), loaded only there and to read a
+kubeconfig's token for /status, so the node daemon never loads it through this module.
 """
 
 from __future__ import annotations
@@ -559,20 +559,9 @@ async def fetch_cluster_status(
     client: AsyncClient | None = None, only: frozenset[str] = frozenset()
 ) -> ClusterStatus:
     """List nodes and pods through the API server (``client``: default, the project's lightkube client)."""
-    from lightkube import operators
-    from lightkube.resources.core_v1 import Node, Pod
+    from kxpu.kube.client import make_client, nodes_and_placed_pods
 
-    if client is None:
-        from kxpu.kube.client import make_client
-
-        client = make_client()
-    nodes = [n.to_dict() async for n in client.list(Node)]
-    # Only placed, unfinished pods can hold devices: let the API server leave the rest out.
-    placed: dict[str, str | operators.BinaryOperator | operators.SequenceOperator] = {
-        "spec.nodeName": operators.not_equal(""),
-        "status.phase": operators.not_in(["Succeeded", "Failed"]),
-    }
-    pods = [p.to_dict() async for p in client.list(Pod, namespace="*", fields=placed)]
+    nodes, pods = await nodes_and_placed_pods(client if client is not None else make_client())
     return build_cluster_status(nodes, pods, only)
 
 
@@ -656,20 +645,9 @@ def status_token(daemon_url: str, token_file: Path | None, kubeconfig: Path | No
             return SERVICE_ACCOUNT_TOKEN.read_text().strip() or None
         except OSError:
             return None
-    from lightkube import ConfigError, KubeConfig
+    from kxpu.kube.client import kubeconfig_token
 
     try:
-        single = KubeConfig.from_file(kubeconfig).get()
-    except (ConfigError, OSError, ValueError):
+        return kubeconfig_token(kubeconfig)
+    except ValueError:
         raise TokenError(f"--kubeconfig {kubeconfig}: cannot read it") from None
-    user = single.user if single is not None else None
-    if user is None:
-        return None
-    if user.token:
-        return str(user.token)
-    if user.token_file:
-        try:
-            return Path(user.token_file).read_text().strip() or None
-        except OSError:
-            return None
-    return None

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from kxpu.cdi.config import validate_kind
 from kxpu.cdi.spec import (
     annotation_key,
     build_spec,
     is_device_name,
     minimum_version,
-    validate_kind,
     validate_spec,
     write_spec,
 )

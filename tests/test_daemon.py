@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -333,12 +334,22 @@ async def test_a_second_daemon_stands_by_and_takes_over(
     await kubelet.wait_registered(NPU)
     second = await daemons(config)
     await wait_until(lambda: "standing by" in second.log_text(), what="the second daemon to stand by")
+    # Ready while standing by: a DaemonSet rolled with maxSurge removes the old pod only once the new one is Ready.
     status, body = await second.http_get("/readyz")
-    assert status == 503 and json.loads(body)["resources"] == {NPU: "standby"}
+    assert status == 200 and json.loads(body)["resources"] == {NPU: "standby"}
     assert sum(r == NPU for _, r in kubelet.registrations) == 1  # no fight over the socket
 
+    old_view = kubelet.view(NPU)
+    stopping = time.monotonic()
     assert await first.stop() == 0  # a rolling update: the old pod goes, the new one takes over
     await kubelet.wait_registered(NPU, times=2, timeout=5)
     await wait_until(lambda: socket_name(NPU) in sockets_in(plugin_dir), what="the socket served again")
     assert (await kubelet.allocate(NPU, ["sim-npu-2"])).container_responses
     assert (await second.http_get("/readyz"))[0] == 200
+    # The old daemon ended its ListAndWatch stream at once (not after its server's grace period, with the socket
+    # already refusing the kubelet's calls), and the new one's device list followed within a moment: the
+    # kubelet's gap between the two plugins is the hand-over, nothing more.
+    ended = next(e.at for e in old_view.history if set(e.devices.values()) == {"Unhealthy"})
+    assert ended - stopping < 0.4, ended - stopping
+    new_list = next(e.at for e in kubelet.view(NPU).history if "Healthy" in e.devices.values())
+    assert new_list - ended < 1.0, new_list - ended

@@ -14,6 +14,11 @@ QUOTED = [
     ("kxpu/cli.py", "applies to a resource served through DRA, and this one has "),
     ("kxpu/backends/registry.py", "set, but {what} is off: set {switch}: true to use"),
     ("kxpu/backends/fakes.py", "no such kxpu variable; a fake machine is named by"),
+    ("kxpu/backends/fakes.py", "is plugged in: kxpu plays a fake machine only when its "),
+    (
+        "kxpu/backends/fakes.py",
+        "command line imports the fake (--import, see docs/troubleshooting.md); add that, or unset",
+    ),
     ("kxpu/backends/nvidia/backend.py", "which this node does not have (GPUs present: {present}); "),
     (
         "kxpu/cli.py",
@@ -26,6 +31,13 @@ QUOTED = [
     ("kxpu/dra/plugin.py", "publishing ResourceSlices failed; retrying"),
     ("kxpu/dra/plugin.py", "the kubelet refused the registration"),
     ("kxpu/dra/checkpoint.py", "DRA checkpoint unusable; starting with no prepared claims"),
+    ("kxpu/sharing/webhook.py", "(the pod was not admitted: retry)"),
+    ("kxpu/sharing/claims.py", "become a DRA claim (capacity requests are absolute, in MiB): ask for"),
+    ("kxpu/dra/config.py", "(POD_UID) cannot name a socket: use the pod's UID (downward API metadata.uid)"),
+    (
+        "kxpu/dra/plugin.py",
+        "another process of this driver publishes its ResourceSlices; waiting for it to stop",
+    ),
 ]
 
 

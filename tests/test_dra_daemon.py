@@ -276,18 +276,20 @@ def test_config_rules_for_dra() -> None:
     assert os.environ.get("KXPU_NEVER_SET") is None
 
 
+@pytest.mark.parametrize("held_id", ["sim-2", "sim-2::3"])
 async def test_devices_held_through_the_device_plugin_are_kept_out_until_released(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, held_id: str
 ) -> None:
     """A node moving from kxpu's device plugin to DRA: a running pod's device (from the kubelet's PodResources
-    API) is tainted and never prepared until that pod is gone."""
+    API) is tainted and never prepared until that pod is gone; a slot of it (``sim-2::3``: a pod the extender
+    shared it with, a replica) holds the whole device too, so DRA shares never land beside it."""
     from kxpu.testing import KubeletStandIn
 
     monkeypatch.setattr("kxpu.dra.plugin.HELD_POLL_SECONDS", 0.1)
     socket = rig.root / "podres" / "kubelet.sock"
     dp_kubelet = KubeletStandIn(rig.root / "dp", pod_resources_socket=socket)
     await dp_kubelet.start()
-    dp_kubelet.assignments[("default", "old", "main")] = [(NPU, ["sim-2"])]
+    dp_kubelet.assignments[("default", "old", "main")] = [(NPU, [held_id])]
     original = rig.factory
 
     def with_pod_resources(resource: ResourceConfig, backend: Backend, snapshot: DeviceSnapshot) -> DraPlugin:

@@ -35,7 +35,8 @@ def test_shared_devices_allow_several_allocations_with_request_policies() -> Non
     cores = entry["capacity"]["cores"]
     assert cores == {
         "value": "100",
-        "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
+        # min 0: a share may ask no compute (best-effort time-sharing, as the extender path's default)
+        "requestPolicy": {"default": "100", "validRange": {"min": "0", "max": "100", "step": "1"}},
     }
     scaled = device_entry(
         Device(id="g", memory_mib=1024), "taint", SharePolicy(memory_scaling=2, core_scaling=1.5)
@@ -85,6 +86,18 @@ async def test_each_share_gets_its_limits(tmp_path: Path) -> None:
     assert (await preparer.prepare([full]))[full.uid].error is None
     spec_env = json.loads(preparer.spec_path(full.uid).read_text())["devices"][0]["containerEdits"]["env"]
     assert not any(e.startswith("CUDA_DEVICE_") for e in spec_env)
+
+
+async def test_a_share_of_no_cores_gets_its_memory_limit_and_no_compute_limit(tmp_path: Path) -> None:
+    """``cores: "0"`` (a HAMi pod naming only memory, converted at admission): limited in memory, time-shared."""
+    preparer, api = make(tmp_path)
+    a = api.add_claim("a", [share("sim-0", "3000Mi", "0")])
+    assert (await preparer.prepare([a]))[a.uid].error is None
+    env = dict(
+        e.split("=", 1)
+        for e in json.loads(preparer.spec_path(a.uid).read_text())["devices"][0]["containerEdits"]["env"]
+    )
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "3000m" and "CUDA_DEVICE_SM_LIMIT" not in env
 
 
 async def test_shares_never_add_up_past_the_device(tmp_path: Path) -> None:

@@ -6,15 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kxpu.dra.names import check_driver_name, default_driver_name, device_name, is_dns_label
+from kxpu.dra.config import check_driver_name, default_driver_name
+from kxpu.dra.names import device_name, is_dns_label
 from kxpu.dra.slices import (
     MAX_ATTRIBUTES_AND_CAPACITIES,
     as_version,
     attribute_value,
     device_entry,
     pool_content,
-    taint_value,
 )
+from kxpu.dra.taints import taint_value
 from kxpu.model import Device, Health
 
 
@@ -80,7 +81,7 @@ def test_device_entry_attributes_capacity_and_taint() -> None:
     assert entry["attributes"]["computeCapability"] == {"string": "8.0"}
     assert entry["attributes"]["migCapable"] == {"bool": True}
     assert entry["capacity"] == {"memory": {"value": "40Gi"}, "cores": {"value": "108"}}
-    assert entry["taints"] == [{"key": "kxpu.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}]
+    assert entry["taints"] == [{"key": "kxpu.io/device-lost", "value": "xid-79", "effect": "NoSchedule"}]
     assert "taints" not in device_entry(device.with_health(Health.HEALTHY), "taint")
 
 
@@ -125,7 +126,7 @@ def test_pools_split_at_the_device_limit_and_withdraw() -> None:
 
 
 def test_slice_names_are_unique_per_node_and_driver() -> None:
-    from kxpu.dra.names import _DNS_SUBDOMAIN
+    from kxpu.dra.config import _DNS_SUBDOMAIN
     from kxpu.dra.publisher import MAX_NAME, slice_name
 
     # Joined with "-", node a-b with driver c.io and node a with driver b-c.io read the same: the hash differs.

@@ -791,7 +791,7 @@ def test_the_informer_counts_only_live_verified_assignments() -> None:
     from lightkube.models.meta_v1 import ObjectMeta
     from lightkube.resources.core_v1 import Pod
 
-    from kxpu.sharing.kube.informer import live_assignment
+    from kxpu.kube.sharing.informer import live_assignment
 
     def make(phase: str = "Running", node: str | None = "node-a", keys: list[bytes] | None = None) -> Any:
         a = dataclasses.replace(ASSIGNMENT, pod_uid="uid-1", namespace="ns", name="p")
@@ -809,7 +809,7 @@ def test_an_assignment_beyond_what_the_pod_asks_is_not_counted() -> None:
     """The HMAC → Ed25519 window: nodes already refuse HMAC, the extender still verifies it (for pods bound
     before). An HMAC key a node read earlier mints 8 whole GPUs on a pod that asks for none (no Allocate ever
     comes, so no node refuses it) or for one: the extender must not pin them as used."""
-    from kxpu.sharing.kube.informer import live_assignment
+    from kxpu.kube.sharing.informer import live_assignment
 
     hmac_key = b"h" * 32
     extender = signing.parse_keyring(

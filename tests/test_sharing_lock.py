@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kxpu.sharing.config import ControlPlaneConfig, SharingConfigError, load_control_plane_config
+from kxpu.sharing.control_plane import ControlPlaneConfig, SharingConfigError, load_control_plane_config
 from kxpu.sharing.extender import sweep_locks
 from kxpu.sharing.lock import (
     HARD_EXPIRED,

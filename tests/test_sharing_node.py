@@ -406,7 +406,7 @@ async def test_daemon_serves_slots_and_answers_allocate_by_handshake(kubelet: Ku
 def test_the_sharing_section_and_the_cli_wrapping(monkeypatch: pytest.MonkeyPatch) -> None:
     from kxpu import cli
     from kxpu.config import ConfigError
-    from kxpu.sharing.config import load_control_plane_config
+    from kxpu.sharing.control_plane import load_control_plane_config
 
     resource = {
         "name": NPU,
@@ -432,7 +432,7 @@ def test_the_sharing_section_and_the_cli_wrapping(monkeypatch: pytest.MonkeyPatc
 
 def test_the_example_configs_load() -> None:
     from kxpu.config import load_config
-    from kxpu.sharing.config import load_control_plane_config
+    from kxpu.sharing.control_plane import load_control_plane_config
 
     examples = Path(__file__).parent.parent / "examples" / "sharing"
     (resource,) = load_config(examples / "node-config.yaml").resources

@@ -242,7 +242,7 @@ def test_cli_refuses_a_bad_metrics_address(command: list[str]) -> None:
 def test_the_node_daemon_exports_no_control_plane_metrics() -> None:
     """The node side of sharing shares kube/api.py with the extender but must not register its metrics."""
     code = (
-        "import sys, kxpu.daemon, kxpu.sharing.node, kxpu.sharing.kube.node; "
+        "import sys, kxpu.daemon, kxpu.sharing.node, kxpu.kube.sharing.node; "
         "assert not {'kxpu.sharing.extender_metrics', 'kxpu.sharing.webhook_metrics'} & set(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

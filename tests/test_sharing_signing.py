@@ -12,9 +12,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kxpu.kube.sharing.keys import KeyStore
 from kxpu.sharing import signing
 from kxpu.sharing.config import KeySource, SharingConfig
-from kxpu.sharing.kube.keys import KeyStore
 from kxpu.sharing.model import Assignment, ContainerAssignment, DeviceGrant
 
 ASSIGNMENT = Assignment(
@@ -259,7 +259,7 @@ class _SecretsApi:
 async def test_the_extender_makes_its_key_once_and_a_restart_keeps_it() -> None:
     """No key in any chart output: the extender creates the Secret on first start; the next start (or a second
     replica) reads the same key, so assignments already signed keep verifying."""
-    from kxpu.sharing.config import ControlPlaneConfig
+    from kxpu.sharing.control_plane import ControlPlaneConfig
 
     api = _SecretsApi()
     config = ControlPlaneConfig()

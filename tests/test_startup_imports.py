@@ -19,9 +19,9 @@ NOT_FOR_A_SIMULATED_DEVICE_PLUGIN = (
     "kxpu.backends.generic",
     "kxpu.backends.nvidia",
     "kxpu.status",
-    "kxpu.dra.kube",
+    "kxpu.kube.dra",
     "kxpu.dra.plugin",
-    "kxpu.sharing.kube",
+    "kxpu.kube.sharing",
     "kxpu.sharing.node",
 )
 
@@ -57,7 +57,7 @@ def test_a_simulated_device_plugin_node_loads_no_cluster_client_or_other_backend
 
 def test_the_dra_driver_loads_the_kubernetes_client_only_on_its_first_api_call() -> None:
     probe = (
-        "import json, sys, kxpu.cli, kxpu.dra.kube, kxpu.dra.plugin; print(json.dumps(sorted(sys.modules)))"
+        "import json, sys, kxpu.cli, kxpu.kube.dra, kxpu.dra.plugin; print(json.dumps(sorted(sys.modules)))"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60

@@ -27,7 +27,8 @@ from kxpu.daemon.holders import (
     owner_of,
     parse_checkpoint,
 )
-from kxpu.daemon.telemetry import GrantExceeded, SourceView, TelemetrySampler
+from kxpu.daemon.telemetry import SourceView, TelemetrySampler
+from kxpu.daemon.telemetry_snapshot import GrantExceeded
 from kxpu.model import (
     BackendError,
     Grant,

@@ -107,7 +107,7 @@ def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
     ds = default.one("DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["image"] == "localhost/kxpu:0.1.0"
+    assert c["image"] == "ghcr.io/kxpu/kxpu:0.1.0"  # the released image at the chart's appVersion
     assert c["args"][:2] == ["plugin", "--config=/etc/kxpu/config.yaml"]
     assert {"--http-address=:5978", "--http-auth=kubernetes", "--log-format=json", "--log-level=info"} <= set(
         c["args"]
@@ -118,7 +118,6 @@ def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert pod["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
     assert host_paths(ds) == HOST_PATHS
     # The runtime cannot create /dev/termination-log in the host's read-only /dev.
     assert c["terminationMessagePath"].startswith("/tmp/")
@@ -135,6 +134,35 @@ def test_daemonset_runs_the_node_daemon(default: Rendered) -> None:
             }
         }
     }
+
+
+POD_UID = {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+
+
+def test_daemonset_rolls_with_surge_and_names_sockets_after_the_pod(default: Rendered, helm: Path) -> None:
+    """Zero-downtime upgrades (docs/dra.md, "Upgrades"): the new pod starts beside the old one, which goes only
+    once the new one is Ready; the DRA sockets are named after the pod's UID, so the kubelet registers both."""
+    for rendered in (default, template(helm, "-f", str(DRA_VALUES))):
+        for ds in rendered.kinds("DaemonSet"):
+            assert ds["spec"]["updateStrategy"] == {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            }
+            c = container(ds)
+            assert POD_UID in c["env"]
+            # No host port or host network: two pods of the DaemonSet fit on one node.
+            assert all("hostPort" not in port for port in c["ports"])
+            assert not ds["spec"]["template"]["spec"].get("hostNetwork", False)
+    ds = template(helm, "-f", str(DRA_VALUES)).kinds("DaemonSet")[0]
+    mounts = {m["name"]: m["mountPath"] for m in container(ds)["volumeMounts"]}
+    # Both pods see the same driver directory (its checkpoint and locks) and registry (each one's socket).
+    assert mounts["kubelet-plugins"] == "/var/lib/kubelet/plugins"
+    assert mounts["plugins-registry"] == "/var/lib/kubelet/plugins_registry"
+    stop_first = template(
+        helm, "--set", "plugin.updateStrategy.rollingUpdate.maxSurge=0", "--set",
+        "plugin.updateStrategy.rollingUpdate.maxUnavailable=1",
+    ).one("DaemonSet")  # fmt: skip
+    assert stop_first["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
 
 
 def test_config_is_the_values_config(default: Rendered) -> None:
@@ -279,7 +307,7 @@ def test_override_pod_settings(overrides: Rendered) -> None:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    assert c["env"] == [{"name": "PYTHONPATH", "value": "/opt/acme"}]  # no API access: no NODE_NAME either
+    assert c["env"] == [POD_UID, {"name": "PYTHONPATH", "value": "/opt/acme"}]  # no API access: no NODE_NAME
     assert ds["spec"]["template"]["metadata"]["annotations"]["example.com/team"] == "accel"
     assert pod["automountServiceAccountToken"] is False
 
@@ -501,7 +529,7 @@ def test_two_renders_are_identical_and_hold_no_key(helm: Path) -> None:
 
 
 def test_control_plane_and_scheduler_config(sharing: Rendered) -> None:
-    from kxpu.sharing.config import ControlPlaneConfig
+    from kxpu.sharing.control_plane import ControlPlaneConfig
 
     cm = sharing.one("ConfigMap", "kxpu-sharing")
     control = ControlPlaneConfig.model_validate(yaml.safe_load(cm["data"]["control-plane.yaml"]))
@@ -554,14 +582,15 @@ def test_scheduler_deployment(sharing: Rendered) -> None:
     assert pod["serviceAccountName"] == "kxpu-scheduler"
     containers = {c["name"]: c for c in pod["containers"]}
     scheduler, extender = containers["kube-scheduler"], containers["extender"]
-    assert scheduler["image"] == "registry.k8s.io/kube-scheduler:v1.34.4"
+    # the cluster's version (helm template: helm's own); test_release.py checks it follows --kube-version
+    assert scheduler["image"].startswith("registry.k8s.io/kube-scheduler:v1."), scheduler["image"]
     assert scheduler["command"] == ["kube-scheduler", "--config=/etc/kxpu/scheduler-config.yaml"]
     assert scheduler["livenessProbe"]["httpGet"] == {
         "path": "/healthz",
         "port": "scheduler",
         "scheme": "HTTPS",
     }
-    assert extender["image"] == "localhost/kxpu:0.1.0"
+    assert extender["image"] == "ghcr.io/kxpu/kxpu:0.1.0"
     assert extender["args"][:4] == [
         "scheduler",
         "--config=/etc/kxpu/control-plane.yaml",
@@ -598,6 +627,25 @@ def test_webhook_deployment_and_tls(sharing: Rendered) -> None:
     svc = sharing.one("Service", "kxpu-webhook")
     assert {"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"} in svc["spec"]["ports"]
     assert svc["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_webhook_rolls_without_a_moment_unanswered(sharing: Rendered, helm: Path) -> None:
+    """helm upgrade (e2e/test_helm_upgrade.py): a replica goes only once its successor is Ready, and a terminating
+    one keeps answering while the API server's route to it goes (preStop), within its grace period."""
+    deploy = sharing.one("Deployment", "kxpu-webhook")
+    assert deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+    assert pod["terminationGracePeriodSeconds"] == 15
+    assert sharing.one("PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    at_once = template(helm, "-f", str(SHARING_VALUES), "--set", "webhook.drainSeconds=0")
+    assert (
+        "lifecycle"
+        not in at_once.one("Deployment", "kxpu-webhook")["spec"]["template"]["spec"]["containers"][0]
+    )
 
 
 @pytest.mark.parametrize("kind", ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"])
@@ -651,6 +699,28 @@ def test_webhook_configurations(sharing: Rendered, kind: str) -> None:
             # expression as the e2e harness registers (so the e2e suite proves the API server compiles it)
             {"name": "status-changes-metadata", "expression": STATUS_CHANGES_METADATA},
         ]
+
+
+def test_convert_to_claims_lets_the_webhook_make_claim_templates_only(helm: Path) -> None:
+    """webhook.convertToClaims (the DRA path): the control plane says so, the webhook gets a token and may create
+    and get ResourceClaimTemplates (nothing else), and its mutating registration declares NoneOnDryRun."""
+    off = template(helm, "--values", str(SHARING_VALUES))
+    assert "convertToClaims" not in yaml.safe_load(
+        off.one("ConfigMap", "kxpu-sharing")["data"]["control-plane.yaml"]
+    )
+    on = template(helm, "--values", str(SHARING_VALUES), "--set", "webhook.convertToClaims=true")
+    config = yaml.safe_load(on.one("ConfigMap", "kxpu-sharing")["data"]["control-plane.yaml"])
+    assert config["convertToClaims"] is True
+    assert on.one("ServiceAccount", "kxpu-webhook")["automountServiceAccountToken"] is True
+    pod = on.one("Deployment", "kxpu-webhook")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert sorted(bound_roles(on, "kxpu-webhook")) == ["ClusterRole/kxpu-webhook-claim-templates"]
+    assert rules(on.one("ClusterRole", "kxpu-webhook-claim-templates")) == [
+        ("resource.k8s.io", "resourceclaimtemplates", (), ("create", "get"))
+    ]
+    assert on.one("MutatingWebhookConfiguration")["webhooks"][0]["sideEffects"] == "NoneOnDryRun"
+    assert on.one("ValidatingWebhookConfiguration")["webhooks"][0]["sideEffects"] == "None"
+    assert off.one("MutatingWebhookConfiguration")["webhooks"][0]["sideEffects"] == "None"
 
 
 def test_webhook_runs_two_replicas_with_a_disruption_budget(sharing: Rendered, helm: Path) -> None:
@@ -785,6 +855,38 @@ def test_a_draining_driver_keeps_the_plugin_dirs_api_access_and_its_slices_in_th
     assert '["npu.example.com"]' in [v["expression"] for v in policy["spec"]["variables"]]
 
 
+def test_dra_taints_reach_every_dra_resource_that_names_none(helm: Path, dra: Rendered) -> None:
+    """dra.taints fills in each DRA resource's dra.taints on every node config; a resource's own taints win, a
+    device-plugin resource gets none; the configs load."""
+    rendered = template(
+        helm,
+        "--values",
+        str(DRA_VALUES),
+        "--set",
+        "dra.taints.deviceLost=NoExecute",
+        "--set",
+        "dra.taints.unmonitored=None",
+        "--set",
+        "nodeConfigs.gpu-nodes.resources[1].dra.taints.deviceLost=NoSchedule",
+    )
+    configs = {ds["metadata"]["name"]: config_of(rendered, ds) for ds in rendered.kinds("DaemonSet")}
+    taints = {
+        (ds, r["name"]): (r.get("dra") or {}).get("taints")
+        for ds, c in configs.items()
+        for r in c["resources"]
+    }
+    assert taints == {
+        ("kxpu-plugin", "example.com/npu"): {"deviceLost": "NoExecute", "unmonitored": "None"},
+        ("kxpu-plugin", "example.com/fpga"): None,
+        ("kxpu-plugin-gpu-nodes", "nvidia.com/gpu"): {"deviceLost": "NoExecute", "unmonitored": "None"},
+        ("kxpu-plugin-gpu-nodes", "example.com/npu"): {"deviceLost": "NoSchedule"},
+    }
+    for config in configs.values():
+        parse_config(config)
+    # Without dra.taints nothing is added (each resource's default: NoSchedule for every fault).
+    assert all("taints" not in str(config_of(dra, ds)) for ds in dra.kinds("DaemonSet"))
+
+
 @pytest.mark.parametrize(
     ("scheme", "accept_hmac", "extender", "nodes", "node_secret"),
     [
@@ -798,7 +900,7 @@ def test_the_upgrade_from_hmac_keys_step_by_step(
     helm: Path, scheme: str, accept_hmac: bool, extender: list[str], nodes: list[str], node_secret: bool
 ) -> None:
     """Each step of docs/sharing.md's upgrade: which key signs, which verify where, who may read the HMAC Secret."""
-    from kxpu.sharing.config import ControlPlaneConfig
+    from kxpu.sharing.control_plane import ControlPlaneConfig
 
     rendered = template(
         helm,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from deploy.tests.conftest import OVERRIDES, Rendered, template, template_error
-from kxpu.sharing.kube.api import KubeSchedulerAPI
+from kxpu.kube.sharing.api import KubeSchedulerAPI
 from kxpu.sharing.lock import ASSIGNED_POD_LABEL, LOCK_PREFIX
 
 VALUES = Path(__file__).parent

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
-import importlib
 import os
 import stat
 from collections.abc import AsyncGenerator, Callable, Iterable
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
+from kxpu.backends.fakes import Seam
 from kxpu.backends.registry import BackendConfig
 from kxpu.fswatch import directory_changes
 from kxpu.logs import get_logger
@@ -160,20 +160,16 @@ class Host:
             return None
 
 
-def chosen_host(
-    config: HostBackendConfig, given: Host | None, fake_env: str, fake_module: str, what: str
-) -> Host:
-    """The host a backend reads: the one a test passes; else the fake machine named by ``fake_env`` (a
-    profile or a tree's path, read by ``fake_module``'s ``from_env``: ``kxpu devices`` and the e2e suite
-    over a fake); else ``hostRoot``."""
+def chosen_host(config: HostBackendConfig, given: Host | None, seam: Seam[[], Path]) -> Host:
+    """The host a backend reads: the one a test passes; else the fake tree that the stand-in plugged into
+    ``seam`` names (``kxpu devices`` and the e2e suite over a fake); else ``hostRoot``."""
     if given is not None:
         return given
-    value = os.environ.get(fake_env)
-    if not value:
+    root = seam.stand_in()
+    if root is None:
         return config.host
-    host = Host(importlib.import_module(fake_module).from_env(value))
-    log.warning(f"reading a fake {what} machine", root=str(host.root), env=fake_env)
-    return host
+    log.warning(f"reading a fake {seam.library} machine", root=str(root))
+    return Host(root)
 
 
 async def host_changes(

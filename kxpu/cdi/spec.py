@@ -19,31 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from kxpu.atomicfile import write_atomically
+from kxpu.cdi.config import validate_kind
 from kxpu.model import ContainerEdits
 
 KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0")
 ANNOTATION_PREFIX = "cdi.k8s.io/"
 MAX_ANNOTATION_NAME = 63
 
-_VENDOR_OR_CLASS = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
 _ANNOTATION_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 Spec = dict[str, Any]
-
-
-def validate_kind(kind: str) -> str:
-    vendor, sep, cls = kind.partition("/")
-    if not sep or not vendor or not cls:
-        raise ValueError(f"CDI kind {kind!r} must be vendor/class, e.g. example.com/npu")
-    for part, what in ((vendor, "vendor"), (cls, "class")):
-        if not _VENDOR_OR_CLASS.match(part):
-            raise ValueError(
-                f"CDI kind {kind!r}: the {what} {part!r} must start with a letter, end with a letter or digit, "
-                "and hold only letters, digits, '_', '-' and '.'"
-            )
-    return kind
 
 
 def is_device_name(name: str) -> bool:

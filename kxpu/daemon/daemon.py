@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from kxpu.backoff import Backoff
 from kxpu.config import Config, ConfigError, ResourceConfig
 from kxpu.daemon import metrics
-from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.http import Authorizer, HealthServer
 from kxpu.daemon.kubelet_wait import warn_while_no_kubelet
 from kxpu.daemon.registration import file_identity
@@ -284,9 +284,11 @@ class Daemon:
         return {running.runner.config.name: running.runner for running in stopping}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Ready = every resource discovered its devices and is registered with the kubelet."""
+        """Ready = every resource discovered its devices and is registered with the kubelet, or stands by while
+        another process serves it: a DaemonSet rolled with maxSurge removes the old pod only once the new one
+        is Ready, and the one standing by takes over the moment the old one's socket goes."""
         phases = {name: r.runner.state.value for name, r in self._running.items()}
-        ready = bool(phases) and all(p == Phase.REGISTERED for p in phases.values())
+        ready = bool(phases) and all(p in (Phase.REGISTERED, Phase.STANDBY) for p in phases.values())
         return ready, {"ready": ready, "resources": phases}
 
     def _waiting_for_kubelet(self) -> list[str]:

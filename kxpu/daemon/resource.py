@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from kxpu.backoff import Backoff
 from kxpu.config import ResourceConfig
 from kxpu.daemon import metrics
-from kxpu.daemon.backoff import Backoff
 from kxpu.daemon.registration import FileIdentity, file_identity, register
 from kxpu.daemon.servicer import DevicePluginServicer
 from kxpu.daemon.serving import stop_server
@@ -490,6 +490,7 @@ class ResourceRunner:
                 await self._poked.wait()
         finally:
             if server is not None:
+                servicer.close_streams()  # first: the kubelet lets go of this plugin at once
                 await stop_server(server, 0.5)
             if served is not None and file_identity(self.socket_path) == served:
                 with contextlib.suppress(FileNotFoundError):

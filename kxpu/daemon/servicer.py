@@ -63,10 +63,17 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self._streams = itertools.count()
         self._failed = asyncio.Event()
         self._failure: Exception | None = None
+        self._closing = asyncio.Event()
 
     def kubelet_synced(self) -> bool:
         """Some open ListAndWatch stream has sent the current device list: the kubelet has the devices."""
         return self.snapshot.version in self._sent.values()
+
+    def close_streams(self) -> None:
+        """End every ListAndWatch stream now (the daemon is stopping): the kubelet learns at once that this plugin
+        is gone, rather than when the server's grace period runs out with the listener already closed (its calls
+        meanwhile refused), so a successor standing by takes over within milliseconds."""
+        self._closing.set()
 
     async def stream_failure(self) -> Exception:
         """Wait until a ListAndWatch stream fails to send; returns why."""
@@ -85,8 +92,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.log.info("kubelet opened ListAndWatch")
         stream = next(self._streams)
         sent = -1
+        closing = asyncio.ensure_future(self._closing.wait())
         try:
-            while True:
+            while not self._closing.is_set():
                 version = self.snapshot.version
                 if version != sent:
                     message = self.snapshot.message
@@ -94,13 +102,18 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     self.log.info("sending device list", devices=len(message.devices), healthy=healthy)
                     yield message
                     sent = self._sent[stream] = version
-                await self.snapshot.wait_newer_than(sent)
+                newer = asyncio.ensure_future(self.snapshot.wait_newer_than(sent))
+                try:
+                    await asyncio.wait({newer, closing}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    newer.cancel()
         except Exception as exc:  # never silent: the kubelet would hold the devices unhealthy, unexplained
             self._failure = RuntimeError(f"ListAndWatch could not send the device list: {exc}")
             self._failed.set()
             log_failure(self.log, "ListAndWatch failed; restarting the resource", exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"kxpu could not send the device list: {exc}")
         finally:
+            closing.cancel()
             self._sent.pop(stream, None)
             self.log.info("ListAndWatch closed")
 

@@ -38,13 +38,12 @@ from kxpu.daemon.holders import (
     owner_of,
     read_pod_resources,
 )
+from kxpu.daemon.telemetry_snapshot import ContainerKey, ContainerUsage, GrantExceeded, ProcessView, Snapshot
 from kxpu.logs import error_text, get_logger, log_failure
 from kxpu.model import Backend, Device, DeviceUsage, Grant, ProcessUsage, TelemetrySource, find_capability
 
 log = get_logger("kxpu.daemon.telemetry")
 
-ContainerKey = tuple[str, str, str, str, str, str]  # resource, device UUID, namespace, pod, container, claim
-COMPUTE_MARGIN = 0.05  # per-process SM utilization is a sampled figure; don't flag noise as an excursion
 PLACEMENT_REFRESH_S = 60.0
 # The kubelet records an allocation (its checkpoints, the driver's prepared claims) before the container starts,
 # and PodResources lists the container only once it runs: for a while after a change, ask again every few seconds.
@@ -61,96 +60,6 @@ class SourceView:
     devices: Mapping[str, Device]  # the resource's snapshot: kubelet device ID → device
     driver: str | None = None  # served through DRA: the driver's name
     claims: Mapping[str, Any] = field(default_factory=dict)  # DRA: claim UID → PreparedClaim (its checkpoint)
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessView:
-    resource: str
-    usage: ProcessUsage
-    namespace: str
-    pod: str
-    container: str
-    claim: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ContainerUsage:
-    """One container's use of one device: the sum over its processes there."""
-
-    resource: str
-    uuid: str
-    namespace: str
-    pod: str
-    container: str
-    claim: str
-    pod_uid: str
-    pids: tuple[int, ...]
-    memory_used_bytes: int | None
-    compute_utilization: float | None
-    grant: Grant | None
-
-    @property
-    def memory_exceeded(self) -> bool:
-        g = self.grant
-        return (
-            g is not None
-            and g.memory_bytes is not None
-            and self.memory_used_bytes is not None
-            and self.memory_used_bytes > g.memory_bytes
-        )
-
-    @property
-    def compute_exceeded(self) -> bool:
-        g = self.grant
-        return (
-            g is not None
-            and g.compute_ratio is not None
-            and 0 < g.compute_ratio < 1
-            and self.compute_utilization is not None
-            and self.compute_utilization > g.compute_ratio + COMPUTE_MARGIN
-        )
-
-    @property
-    def key(self) -> ContainerKey:
-        return (self.resource, self.uuid, self.namespace, self.pod, self.container, self.claim)
-
-
-@dataclass(frozen=True, slots=True)
-class GrantExceeded:
-    """A container went above its grant (one report per excursion)."""
-
-    usage: ContainerUsage
-    kind: str  # "memory" or "compute"
-
-    @property
-    def message(self) -> str:
-        u, g = self.usage, self.usage.grant
-        assert g is not None
-        if self.kind == "memory":
-            used, granted = _gib(u.memory_used_bytes), _gib(g.memory_bytes)
-            what = f"uses {used} of device memory, granted {granted}"
-        else:
-            used_pct = round((u.compute_utilization or 0) * 100)
-            what = f"uses {used_pct}% of the device's compute, granted {round((g.compute_ratio or 0) * 100)}%"
-        return (
-            f"container {u.container or '?'} of pod {u.namespace}/{u.pod} {what} on {u.uuid} ({u.resource})"
-        )
-
-
-def _gib(value: int | None) -> str:
-    return "?" if value is None else f"{value / 2**30:.2f} GiB"
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    taken_at: float = 0.0  # time.time() of the tick
-    duration_s: float = 0.0
-    devices: tuple[tuple[str, DeviceUsage], ...] = ()  # (resource, figures)
-    processes: tuple[ProcessView, ...] = ()
-    containers: tuple[ContainerUsage, ...] = ()
-    holders: tuple[Holder, ...] = ()  # every container holding a sampled device, processes or not
-    errors: tuple[str, ...] = ()
-    over: frozenset[tuple[ContainerKey, str]] = field(default_factory=frozenset)
 
 
 ExceededHandler = Callable[[GrantExceeded], Awaitable[None]]

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kxpu.daemon.telemetry import Snapshot
+    from kxpu.daemon.telemetry_snapshot import Snapshot
 
 # `device` is the physical device's UUID (telemetry measures devices, not the kubelet's IDs for their replicas or
 # shares); `uuid` repeats it under the name kxpu_device_health also carries beside its kubelet device ID, so that

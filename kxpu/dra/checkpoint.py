@@ -25,15 +25,19 @@ place for the containers using them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import stat
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kxpu.atomicfile import write_atomically
+from kxpu.dra.instances import HostLock
 from kxpu.logs import get_logger
 
 log = get_logger("kxpu.dra.checkpoint")
@@ -147,8 +151,42 @@ class Checkpoint:
         self.unreleased: list[dict[str, str | int]] = []
         self.releasing: list[str] = []  # claim UIDs whose unprepare is destroying their partitions
         self.set_aside = False  # the file on disk was unusable at load and moved away
+        # Another process of this driver (a rolling update's other pod) may change the file between our calls:
+        # each call takes this lock and reloads what changed (kxpu.dra.instances).
+        self.lock = HostLock(path.with_name(f"{path.name}.lock"))
+        self._seen: tuple[int, int, int, int] | None = (
+            None  # the file as last loaded or written (inode, mtime, size)
+        )
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[bool]:
+        """Hold the driver's checkpoint lock; the file is reloaded first if another process wrote it since this
+        one last did (yields whether it was)."""
+        async with self.lock.hold():
+            reloaded = await asyncio.to_thread(self.refresh)
+            yield reloaded
+
+    def refresh(self) -> bool:
+        """Load the file again if another process of the driver replaced it since this object last loaded or
+        wrote it; True if it did. A file that cannot be read now is left where it is (it was good at start, and
+        only kxpu writes it) and what this process holds is kept: the error is logged, the call goes on."""
+        seen = _identity(self.path)
+        if seen == self._seen or seen is None or not stat.S_ISREG(seen[3]):
+            return False  # unchanged; or removed or replaced by something no kxpu writes: nothing to reload
+        try:
+            self._apply(json.loads(self.path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.error(
+                "cannot reload the DRA checkpoint another process of this driver wrote; keeping this process's",
+                path=str(self.path),
+                reason=f"{type(exc).__name__}: {exc}",
+            )
+            return False
+        self._seen = seen
+        return True
 
     def load(self) -> None:
+        self._seen = _identity(self.path)
         try:
             text = self.path.read_text()
         except FileNotFoundError:
@@ -158,18 +196,22 @@ class Checkpoint:
             self._move_aside(f"unreadable: {exc.strerror or exc}")
             return
         try:
-            raw = json.loads(text)
-            if raw.get("version") != VERSION or raw.get("driver") != self.driver:
-                raise ValueError(f"version {raw.get('version')!r}, driver {raw.get('driver')!r}")
-            self.claims = {str(uid): _claim_from_json(c) for uid, c in raw["claims"].items()}
-            self.making = {
-                str(uid): Making(str(m["claim"]), tuple(str(d) for d in m["devices"]))
-                for uid, m in (raw.get("making") or {}).items()
-            }
-            self.unreleased = [dict(h) for h in raw.get("unreleased") or []]
-            self.releasing = [str(u) for u in raw.get("releasing") or []]
+            self._apply(json.loads(text))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             self._move_aside(f"not a kxpu {VERSION} checkpoint of {self.driver}: {type(exc).__name__}: {exc}")
+
+    def _apply(self, raw: Any) -> None:
+        """The parsed file's claims become this object's (all or nothing: raises before changing anything)."""
+        if raw.get("version") != VERSION or raw.get("driver") != self.driver:
+            raise ValueError(f"version {raw.get('version')!r}, driver {raw.get('driver')!r}")
+        claims = {str(uid): _claim_from_json(c) for uid, c in raw["claims"].items()}
+        making = {
+            str(uid): Making(str(m["claim"]), tuple(str(d) for d in m["devices"]))
+            for uid, m in (raw.get("making") or {}).items()
+        }
+        unreleased = [dict(h) for h in raw.get("unreleased") or []]
+        releasing = [str(u) for u in raw.get("releasing") or []]
+        self.claims, self.making, self.unreleased, self.releasing = claims, making, unreleased, releasing
 
     def _move_aside(self, why: str) -> None:
         aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
@@ -185,6 +227,7 @@ class Checkpoint:
             reason=why,
         )
         self.claims, self.making, self.unreleased, self.releasing = {}, {}, [], []
+        self._seen = _identity(self.path)
 
     def save(self) -> None:
         doc = {
@@ -206,6 +249,7 @@ class Checkpoint:
         }
         try:
             write_atomically(self.path, json.dumps(doc, separators=_COMPACT) + "\n", mode=0o600, durable=True)
+            self._seen = _identity(self.path)
         except OSError as exc:
             raise CheckpointError(
                 f"cannot write the DRA checkpoint {self.path}: {exc.strerror or exc}"
@@ -219,6 +263,14 @@ class Checkpoint:
             for prepared in claim.devices
             if prepared.device == device
         ]
+
+
+def _identity(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode)
 
 
 def held_devices(claims: Mapping[str, PreparedClaim]) -> dict[str, str]:

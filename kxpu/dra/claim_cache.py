@@ -29,13 +29,12 @@ The cache needs ``list`` and ``watch`` on resourceclaims (read-only).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from kxpu.daemon.backoff import Backoff
 from kxpu.dra import metrics
-from kxpu.logs import error_text, get_logger
+from kxpu.kube.watch import keep_watching
+from kxpu.logs import get_logger
 
 log = get_logger("kxpu.dra.claim_cache")
 
@@ -44,7 +43,7 @@ _RESULT_KEYS = ("driver", "request", "device", "pool", "shareID", "adminAccess",
 
 
 class ClaimWatchApi(Protocol):
-    """Listing and watching every ResourceClaim (``kxpu.dra.kube.DraKube`` against the API server)."""
+    """Listing and watching every ResourceClaim (``kxpu.kube.dra.DraKube`` against the API server)."""
 
     async def list_claims(self, each: Callable[[Mapping[str, Any]], None]) -> str | None:
         """Call ``each`` for every claim of the cluster (paged); the list's resourceVersion."""
@@ -162,24 +161,20 @@ class ClaimCache:
     async def run(self) -> None:
         """List, then follow the watch; on any break, list again (with backoff while it keeps failing)."""
         assert self.api is not None
-        backoff = Backoff(initial=0.5, maximum=30.0)
-        while True:
-            try:
-                version = await self.relist()
-                self.log.debug("claim cache synced", claims=len(self._claims))
-                async for kind, claim in self.api.watch_claims(version):
-                    backoff.reset()
-                    self.apply(kind, claim)
-                delay = 0.0
-            except asyncio.CancelledError:
-                self.forget()
-                raise
-            except Exception as exc:  # 410 Gone, the connection, a 403 without list/watch: GET meanwhile
-                delay = backoff.next_delay()
-                self.log.warning(
-                    "watching ResourceClaims failed; prepare reads claims from the API server until it is back",
-                    error=error_text(exc),
-                    retry_in_s=round(delay, 2),
-                )
-            self.forget()
-            await asyncio.sleep(delay)
+        api = self.api
+
+        async def watch_round(delivered: Callable[[], None]) -> None:
+            version = await self.relist()
+            self.log.debug("claim cache synced", claims=len(self._claims))
+            async for kind, claim in api.watch_claims(version):
+                delivered()
+                self.apply(kind, claim)
+
+        def failed(error: str, retry_in_s: float) -> None:  # 410 Gone, the connection, a 403: GET meanwhile
+            self.log.warning(
+                "watching ResourceClaims failed; prepare reads claims from the API server until it is back",
+                error=error,
+                retry_in_s=retry_in_s,
+            )
+
+        await keep_watching(watch_round, failed, after=self.forget)

@@ -30,6 +30,8 @@ class AllocatedDevice:
     share_id: str | None = None
     admin_access: bool = False
     consumed: Mapping[str, str] = field(default_factory=dict)
+    # The request's device tolerations as the allocation copied them (kxpu.dra.taints.tolerates reads them).
+    tolerations: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,7 @@ def allocation_for(claim: Mapping[str, Any], uid: str, driver: str, pool: str) -
                 f"this node's ({pool}); refusing to prepare it here"
             )
         consumed = result.get("consumedCapacity") or {}
+        tolerations = result.get("tolerations") or []
         mine.append(
             AllocatedDevice(
                 request=request,
@@ -97,6 +100,9 @@ def allocation_for(claim: Mapping[str, Any], uid: str, driver: str, pool: str) -
                 consumed={str(k): str(v) for k, v in consumed.items()}
                 if isinstance(consumed, Mapping)
                 else {},
+                tolerations=tuple(t for t in tolerations if isinstance(t, Mapping))
+                if isinstance(tolerations, Sequence)
+                else (),
             )
         )
     if not mine:

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from kxpu.config import Config, ResourceConfig
 from kxpu.dra.checkpoint import VERSION, held_devices
-from kxpu.dra.config import dra_socket
+from kxpu.dra.config import driver_sockets
 from kxpu.logs import error_text, get_logger
 from kxpu.model import Backend, BackendError, ContainerEdits, Device
 from kxpu.sockets import live_socket
@@ -50,7 +50,7 @@ def find_leftovers(plugins_dir: Path, served: set[str]) -> list[str]:
     out = []
     for entry in entries:
         driver = entry.name
-        if driver in served or live_socket(dra_socket(plugins_dir, driver)):
+        if driver in served or any(live_socket(p) for p in driver_sockets(plugins_dir, driver)):
             continue  # served here, or by another live process (a second daemon, an update's other pod)
         try:
             raw = json.loads((entry / CHECKPOINT).read_text())

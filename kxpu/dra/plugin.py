@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import glob
 import os
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from typing import Any
 import grpc
 
 from kxpu.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from kxpu.daemon.backoff import Backoff
+from kxpu.backoff import Backoff
 from kxpu.daemon.holders import HolderError, list_pod_resources
 from kxpu.daemon.registration import FileIdentity, file_identity
 from kxpu.daemon.serving import stop_server
@@ -40,20 +42,29 @@ from kxpu.daemon.snapshot import DeviceSnapshot
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import Checkpoint
 from kxpu.dra.claim_cache import ClaimCache
-from kxpu.dra.config import DraConfig, dra_socket, registration_socket
+from kxpu.dra.config import DraConfig, check_dra_socket_paths, check_instance, dra_socket, registration_socket
+from kxpu.dra.instances import HostLock
 from kxpu.dra.prepare import ClaimSource, Preparer
 from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
 from kxpu.dra.slices import SharePolicy
+from kxpu.dra.taints import TaintPolicy
 from kxpu.fswatch import directory_changes
+from kxpu.kube.watch import keep_watching
 from kxpu.logs import error_text, get_logger
 from kxpu.model import Backend, Partitioner
 from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
+# kxpu's IDs of the parts of one device the device plugin hands out (sharing slots, replicas, shares)
+SUB_DEVICE_SEPARATOR = "::"
 log = get_logger("kxpu.dra.plugin")
 
 RESYNC_SECONDS = 30.0
+# The per-pod sockets an earlier pod may have left (a pod UID is a UUID; nothing else is ever removed).
+_POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+# A process waiting to publish (the other one of a rolling update holds the lock) tries again this often.
+PUBLISH_LOCK_POLL_SECONDS = 0.5
 HELD_POLL_SECONDS = 5.0
 # The watch of the driver's slices repairs deletions at once; a full re-list this often as well, in case a
 # watch event was lost (one filtered LIST per node and driver).
@@ -136,8 +147,14 @@ class DraPlugin:
         pod_resources: Path | None = None,
         close: Callable[[], Awaitable[None]] | None = None,
         claim_cache: ClaimCache | None = None,
+        instance: str | None = None,
     ) -> None:
         settings = settings or DraConfig()
+        # This process's own socket names (the pod UID: a rolling update's two pods both serve, kxpu.dra.instances).
+        self.instance = instance
+        if instance is not None:
+            check_instance(instance)
+            check_dra_socket_paths(plugins_dir, registry_dir, driver, instance)
         self._close = close  # what this plugin's API client needs when the plugin stops
         self.backend = backend
         self.pod_resources = pod_resources
@@ -160,6 +177,7 @@ class DraPlugin:
             settings.cdi_spec_dir,
             claims,
             settings.shares,
+            TaintPolicy(settings.taints.effects()),
         )
         self.claim_cache = self.preparer.claim_cache = claim_cache
         shares = settings.shares
@@ -171,9 +189,14 @@ class DraPlugin:
             else None
         )
         self.slice_api = slices
-        self.publisher = SlicePublisher(slices, driver, node, settings.unhealthy, policy)
+        self.publisher = SlicePublisher(
+            slices, driver, node, settings.unhealthy, policy, TaintPolicy(settings.taints.effects())
+        )
         self._republish = asyncio.Event()  # the slices in the API may no longer be what was published
         self._active = asyncio.Event()  # serving (not standing by): only then are slices published
+        # One process of the driver writes its slices at a time: the other waits for this lock (kxpu.dra.instances).
+        self.publish_lock = HostLock(self.plugin_dir / "publish.lock")
+        self.publish_deferred = False  # another process holds the publish lock; this one waits for it
         self.phase = DraPhase.STARTING
         self.registered = False
         self.registrations = 0  # how often the kubelet accepted the registration (the runner's backoff)
@@ -182,12 +205,12 @@ class DraPlugin:
         self._poked = asyncio.Event()
         self._registered_changed = asyncio.Event()
         self.dra = _Served(
-            dra_socket(plugins_dir, driver),
+            dra_socket(plugins_dir, driver, instance),
             lambda server: add_dra_services(server, self.preparer, snapshot, node),
             "DRA services",
         )
         self.registration = _Served(
-            registration_socket(registry_dir, driver),
+            registration_socket(registry_dir, driver, instance),
             lambda server: reg_grpc.add_RegistrationServicer_to_server(
                 RegistrationServicer(driver, str(self.dra.path), self._on_registration), server
             ),
@@ -197,7 +220,15 @@ class DraPlugin:
 
     @property
     def ready(self) -> bool:
-        return self.registered and self.published_revision == self.snapshot.revision
+        """Registered, and the current devices published (by this process, or by the other one of a rolling
+        update that still holds the publish lock: its slices stay, and this one takes them over)."""
+        published = self.published_revision == self.snapshot.revision or self.publish_deferred
+        return self.registered and published
+
+    @property
+    def publishing(self) -> bool:
+        """This process writes the driver's slices (False while another process of the driver does)."""
+        return self.publish_lock.held
 
     def poke(self) -> None:
         self._poked.set()
@@ -218,6 +249,13 @@ class DraPlugin:
     async def run(self) -> None:
         """Serve until cancelled; the sockets are removed on the way out, the slices and checkpoint kept
         (a restarted daemon takes over without a gap in what the scheduler sees)."""
+        if self.instance is not None:
+            removed_sockets = await asyncio.to_thread(self._remove_dead_sockets)
+            if removed_sockets:
+                self.log.info(
+                    "removed the sockets of earlier instances nobody serves",
+                    sockets=[str(p) for p in removed_sockets],
+                )
         await self._load_checkpoint()
         removed = await asyncio.to_thread(self.preparer.remove_orphan_specs)
         if removed:
@@ -241,6 +279,7 @@ class DraPlugin:
         finally:
             await self.registration.stop(0.5)
             await self.dra.stop(0.5)
+            self.publish_lock.release()  # the other process of a rolling update publishes from here on
             self.registered = False
             metrics.DRIVER_REGISTERED.labels(self.driver).set(0)
             if self._close is not None:
@@ -248,6 +287,24 @@ class DraPlugin:
                     await self._close()
                 except Exception as exc:
                     self.log.warning("cannot close the API client", error=error_text(exc))
+
+    def _remove_dead_sockets(self) -> list[Path]:
+        """Per-pod sockets of this driver left by a killed pod (SIGKILL, a node's power loss): the kubelet would
+        dial them forever. Only a socket nobody accepts on is removed; a live one is another pod's."""
+        candidates = [
+            p
+            for p in self.registration.path.parent.glob(f"{glob.escape(self.driver)}-*-reg.sock")
+            if _POD_UID.fullmatch(p.name[len(self.driver) + 1 : -len("-reg.sock")])
+        ]
+        candidates += [p for p in self.dra.path.parent.glob("dra-*.sock") if _POD_UID.fullmatch(p.name[4:-5])]
+        removed = []
+        for path in candidates:
+            if path in (self.dra.path, self.registration.path) or live_socket(path):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+        return removed
 
     async def _load_checkpoint(self) -> None:
         await asyncio.to_thread(self.checkpoint.load)
@@ -331,7 +388,13 @@ class DraPlugin:
                 held=sorted(self.held),
             )
             return False
-        held = frozenset(device for (resource, device) in placed if resource == self.resource)
+        # A slot of kxpu's sharing, a time-slicing replica or a generic share is ``<device>::<n>``: a pod holding
+        # one holds part of that device (an extender-shared pod while the node moves to DRA shares).
+        held = frozenset(
+            device.split(SUB_DEVICE_SEPARATOR, 1)[0]
+            for (resource, device) in placed
+            if resource == self.resource
+        )
         if held == self.held:
             return False
         if held or self.held:
@@ -352,23 +415,27 @@ class DraPlugin:
         """Wake the publisher whenever the API's slices of this driver and node stop being what it wrote:
         deleted by a starting kubelet (it wipes the node's slices), by the kubelet 30 s after losing this
         driver, by an admin, or by the garbage collector with a Node created again."""
-        backoff = Backoff(initial=0.5, maximum=30.0)
-        while True:
-            try:
-                async for kind, obj in self.slice_api.watch_slices(self.driver, self.node):
-                    backoff.reset()
-                    if not self.publisher.is_current(kind, obj):
-                        self._republish.set()
-                delay = 1.0  # the watch ended without an error: start another (and check meanwhile)
-            except Exception as exc:  # the API server's answer or the connection's failure: retried
-                delay = backoff.next_delay()
-                self.log.warning(
-                    "watching ResourceSlices failed; retrying",
-                    error=error_text(exc),
-                    retry_in_s=round(delay, 2),
-                )
-            self._republish.set()
-            await asyncio.sleep(delay)
+
+        async def watch_round(delivered: Callable[[], None]) -> None:
+            async for kind, obj in self.slice_api.watch_slices(self.driver, self.node):
+                delivered()
+                if not self.publisher.is_current(kind, obj):
+                    self._republish.set()
+
+        def failed(error: str, retry_in_s: float) -> None:
+            self.log.warning("watching ResourceSlices failed; retrying", error=error, retry_in_s=retry_in_s)
+
+        # A watch that ended without an error starts again after a second (the publisher checks meanwhile).
+        await keep_watching(watch_round, failed, after=self._republish.set, pause_s=1.0)
+
+    async def _take_publish_lock(self) -> None:
+        if self.publish_lock.try_acquire():
+            return
+        self.publish_deferred = True
+        self.log.info("another process of this driver publishes its ResourceSlices; waiting for it to stop")
+        await self.publish_lock.acquire(poll_max_s=PUBLISH_LOCK_POLL_SECONDS)
+        self.publish_deferred = False
+        self.log.info("publishing ResourceSlices: the other process stopped")
 
     async def _publish_loop(self) -> None:
         backoff = Backoff(initial=0.2, maximum=30.0)
@@ -379,6 +446,8 @@ class DraPlugin:
             self._republish.clear()
             self.preparer.update_devices(self.snapshot.devices)
             try:
+                if not self.publish_lock.held:
+                    await self._take_publish_lock()
                 counter_sets = (
                     await asyncio.to_thread(self.backend.counter_sets)
                     if isinstance(self.backend, Partitioner)
@@ -421,6 +490,9 @@ class DraPlugin:
             "driver": self.driver,
             "pool": self.node,
             "registered": self.registered,
+            # A rolling update's two pods: which one writes the slices (the other waits for it to exit).
+            "publishing": self.publishing,
+            **({"instance": self.instance} if self.instance is not None else {}),
             "generation": self.publisher.generation,
             "claims": {
                 uid: {

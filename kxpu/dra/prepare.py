@@ -2,7 +2,7 @@
 
 Prepare: read the claim from the API server, keep only this driver's devices in this node's pool
 (``claims.allocation_for`` refuses anything else), look each device up in the backend's current
-snapshot (unknown or unhealthy → refused), refuse a device another claim already holds here (the
+snapshot (unknown → refused; unhealthy → refused unless its taint lets the claim have it: ``kxpu.dra.taints``), refuse a device another claim already holds here (the
 driver is the last line of defence against a double allocation), ask the backend for the container
 edits of each request's devices, write one CDI spec file for the claim and record the claim in the
 checkpoint. Answered per claim: one claim's failure, whatever it is (a refusal, the API server's error, a
@@ -61,6 +61,7 @@ from kxpu.dra.config import DraSharesConfig
 from kxpu.dra.names import claim_cdi_device, claim_cdi_kind, device_name, parent_request
 from kxpu.dra.quantity import as_mib, parse_quantity
 from kxpu.dra.slices import SharePolicy
+from kxpu.dra.taints import TaintPolicy, tolerates
 from kxpu.logs import error_text, get_logger, one_line
 from kxpu.model import (
     AsyncAllocator,
@@ -130,8 +131,10 @@ class Preparer:
         cdi_dir: Path,
         claims: ClaimSource,
         shares: DraSharesConfig | None = None,
+        taints: TaintPolicy | None = None,
     ) -> None:
         self.driver = driver
+        self.taints = taints or TaintPolicy()
         self.shares = shares
         self.pool = pool
         self.backend = backend
@@ -179,7 +182,11 @@ class Preparer:
         fetched = await self._fetch([r for r in refs if not self._known(r)])
         results: dict[str, Prepared] = {}
         failed: list[tuple[ClaimRef, str]] = []
-        async with self._lock:
+        async with self._lock, self.checkpoint.exclusive():
+            # Known when looked at, gone since: another process of this driver (kxpu.dra.instances) unprepared it.
+            missing = [r for r in refs if r.uid not in fetched and not self._known(r)]
+            if missing:
+                fetched.update(await self._fetch(missing))
             unsaved: list[_Unsaved] = []  # recorded in memory, not yet on disk: undone if the call stops
             try:
                 for ref in refs:
@@ -194,9 +201,7 @@ class Preparer:
                         results[ref.uid] = Prepared(error=message)
                         failed.append((ref, message))
                 failed += await self._save_prepared(unsaved, results)
-            except (
-                BaseException
-            ):  # cancelled (the kubelet's deadline): nothing it did stays that is not on disk
+            except BaseException:  # cancelled (the kubelet's deadline): what is not on disk is undone
                 for claim in reversed(unsaved):
                     await self._undo(claim)
                 raise
@@ -373,6 +378,13 @@ class Preparer:
                 )
         return prepared, entries
 
+    def _admits_faulty(self, device: Device, allocated: AllocatedDevice) -> bool:
+        """An unhealthy device is still prepared where its taint lets the scheduler choose it: the fault's effect
+        is None (informational), or the request tolerates the taint kxpu publishes for it (a diagnostics pod).
+        A claim allocated before the taint reached the scheduler tolerates nothing: refused, retried."""
+        taint = self.taints.fault_taint(device)
+        return taint is not None and (taint["effect"] == "None" or tolerates(allocated.tolerations, taint))
+
     def _lookup(self, allocation: ClaimAllocation) -> list[tuple[AllocatedDevice, Device]]:
         chosen: list[tuple[AllocatedDevice, Device]] = []
         for allocated in allocation.devices:
@@ -382,7 +394,11 @@ class Preparer:
                     f"ResourceClaim {allocation.ref}: device {allocated.device} is not one of driver {self.driver}'s "
                     f"devices on this node (it may have been removed since the scheduler allocated it)"
                 )
-            if not device.healthy and not allocated.admin_access:
+            if (
+                not device.healthy
+                and not allocated.admin_access
+                and not self._admits_faulty(device, allocated)
+            ):
                 raise ClaimError(
                     f"ResourceClaim {allocation.ref}: device {allocated.device} ({device.id}) is unhealthy "
                     f"({device.health_reason or 'no reason given'}); the kubelet retries once it recovers"
@@ -491,7 +507,7 @@ class Preparer:
         """Destroy the partitions no prepared claim owns that a crash left in the hardware (each recorded in
         ``making`` before it was made; nothing else is touched), and release the ``unreleased`` handles; one
         log line names what was reclaimed. Returns it. Called at start, before serving."""
-        async with self._lock:
+        async with self._lock, self.checkpoint.exclusive():
             return await self._reconcile_locked()
 
     async def _reconcile_locked(self) -> list[str]:
@@ -771,7 +787,7 @@ class Preparer:
 
     # -- unprepare --------------------------------------------------------------------------------------
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
-        async with self._lock:
+        async with self._lock, self.checkpoint.exclusive():
             return await self._unprepare_locked(refs)
 
     async def _unprepare_locked(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:

@@ -11,7 +11,8 @@ moves only when the published devices change, and always past every generation s
 API server's garbage collector removes them with a deleted node, as the API expects.
 
 If the API server drops the device taints kxpu writes (a release or cluster without device taints),
-the publisher says so once and withdraws unhealthy devices instead.
+the publisher says so once and withdraws unhealthy devices instead (all but those whose fault's effect is
+``None``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from kxpu.dra.slices import PoolContent, SharePolicy, Unhealthy, pool_content, same_devices
+from kxpu.dra.taints import TaintPolicy
 from kxpu.logs import get_logger
 from kxpu.model import CounterSet, Device
 
@@ -32,7 +34,7 @@ MAX_NAME = 253
 
 
 class SliceApi(Protocol):
-    """The ResourceSlice calls the publisher makes (``kxpu.dra.kube.DraKube`` against the API server)."""
+    """The ResourceSlice calls the publisher makes (``kxpu.kube.dra.DraKube`` against the API server)."""
 
     async def node_uid(self, node: str) -> str: ...
 
@@ -90,14 +92,16 @@ def _keep_taint_times(spec: dict[str, Any], old: Mapping[str, Any] | None) -> No
     device's sake must not make every old taint look new)."""
     if old is None:
         return
+    # By key and effect, not value: a fault whose reason changes within its class (xid-79, then gpu-lost) is the
+    # same fault, and a NoExecute toleration's seconds count from when it began.
     before = {
-        (d.get("name"), t.get("key"), t.get("value"), t.get("effect")): t.get("timeAdded")
+        (d.get("name"), t.get("key"), t.get("effect")): t.get("timeAdded")
         for d in (old.get("spec") or {}).get("devices") or []
         for t in d.get("taints") or []
     }
     for device in spec.get("devices", []):
         for taint in device.get("taints", []):
-            added = before.get((device["name"], taint["key"], taint.get("value"), taint["effect"]))
+            added = before.get((device["name"], taint["key"], taint["effect"]))
             if added:
                 taint["timeAdded"] = added
 
@@ -110,8 +114,10 @@ class SlicePublisher:
         node: str,
         unhealthy: Unhealthy = "taint",
         shares: SharePolicy | None = None,
+        taints: TaintPolicy | None = None,
     ) -> None:
         self.api = api
+        self.taints = taints or TaintPolicy()
         self.driver = driver
         self.node = node
         self.unhealthy: Unhealthy = unhealthy
@@ -149,7 +155,15 @@ class SlicePublisher:
         mine = [o for o in existing if _owned_by(o, self._node_uid)]
         self.generation = max([self.generation, *(_generation(o) for o in existing)])
         current = pool_content(
-            self.driver, self.node, devices, self.generation, self.unhealthy, self.shares, held, counter_sets
+            self.driver,
+            self.node,
+            devices,
+            self.generation,
+            self.unhealthy,
+            self.shares,
+            held,
+            counter_sets,
+            self.taints,
         )
         specs = [o.get("spec") or {} for o in mine]
         up_to_date = (
@@ -177,7 +191,15 @@ class SlicePublisher:
             self.known.pop(obj["metadata"]["name"], None)
         self.generation += 1
         content = pool_content(
-            self.driver, self.node, devices, self.generation, self.unhealthy, self.shares, held, counter_sets
+            self.driver,
+            self.node,
+            devices,
+            self.generation,
+            self.unhealthy,
+            self.shares,
+            held,
+            counter_sets,
+            self.taints,
         )
         by_name = {o["metadata"]["name"]: o for o in mine}
         wanted = {slice_name(self.node, self.driver, i): spec for i, spec in enumerate(content.slices)}

@@ -12,9 +12,10 @@ with typed attributes the scheduler's CEL selectors read, and capacities:
 | each ``Device.extra`` key, camelCased (int, bool, string; a ``…Version`` that is semver → version) | vendor facts |
 | capacity ``memory`` (bytes, written in Mi), ``cores`` | ``memory_mib``, ``cores`` |
 
-An unhealthy device is either **tainted** (``kxpu.io/unhealthy``, effect ``NoSchedule``, the value
-its reason: the scheduler allocates it to no new claim, and it stays visible with the reason) or
-**withdrawn** from the slice (for API servers without device taints). A pool is split into slices
+An unhealthy device is either **tainted** (a key per fault class, the effect ``dra.taints`` gives that
+class, the value its reason: ``kxpu.dra.taints``; it stays visible with the reason) or **withdrawn** from
+the slice (for API servers without device taints; a fault whose effect is ``None`` keeps the device
+published, untainted). A pool is split into slices
 of at most 128 devices, 64 when taints may be used (the API's limit for slices using them).
 """
 
@@ -26,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kxpu.dra.names import device_name
+from kxpu.dra.taints import TAINT_KEYS, TaintPolicy
 from kxpu.logs import get_logger
-from kxpu.model import MAX_NUMA_NODE, CounterSet, Device, pci_address
+from kxpu.model import MAX_NUMA_NODE, CounterSet, Device, FaultClass, pci_address
 
 log = get_logger("kxpu.dra.slices")
 
@@ -37,7 +39,8 @@ MAX_COUNTER_SETS_PER_SLICE = 8
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_STRING_VALUE = 64
 MAX_IDENTIFIER = 32
-UNHEALTHY_TAINT_KEY = "kxpu.io/unhealthy"
+UNHEALTHY_TAINT_KEY = TAINT_KEYS[FaultClass.OTHER]
+DEFAULT_TAINTS = TaintPolicy()  # every fault NoSchedule
 # Still held by a pod that got it through the device plugin (a node moving from the device plugin to DRA).
 HELD_TAINT_KEY = "kxpu.io/held-by-device-plugin"
 INT64_MAX = 2**63 - 1
@@ -50,7 +53,6 @@ _PCIE_ROOT = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 Unhealthy = Literal["taint", "withdraw"]
 
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_LABEL_VALUE_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 _SEMVER = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
     r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
@@ -175,12 +177,6 @@ def device_capacity(device: Device) -> dict[str, dict[str, str]]:
     return capacity
 
 
-def taint_value(reason: str | None) -> str:
-    """A label value (at most 63 of letters, digits, ``-_.``, alphanumeric at both ends)."""
-    cleaned = _LABEL_VALUE_UNSAFE.sub("-", reason or "unknown")[:63].strip("-_.")
-    return cleaned or "unknown"
-
-
 def shared_capacity(device: Device, policy: SharePolicy) -> dict[str, dict[str, Any]]:
     """Capacities with request policies: the default is the whole (a claim that names no amount is exclusive),
     requests are rounded up to the step (the API wants the default a multiple of it)."""
@@ -200,15 +196,21 @@ def shared_capacity(device: Device, policy: SharePolicy) -> dict[str, dict[str, 
             },
         }
     cores = policy.core_capacity()
+    # min 0: a share may take no compute (best-effort time-sharing, no SM limit), as the extender path's
+    # gpucores default; a request below min would be raised to it and limit the container to 1 %
     capacity["cores"] = {
         "value": str(cores),
-        "requestPolicy": {"default": str(cores), "validRange": {"min": "1", "max": str(cores), "step": "1"}},
+        "requestPolicy": {"default": str(cores), "validRange": {"min": "0", "max": str(cores), "step": "1"}},
     }
     return capacity
 
 
 def device_entry(
-    device: Device, unhealthy: Unhealthy, shares: SharePolicy | None = None, held: bool = False
+    device: Device,
+    unhealthy: Unhealthy,
+    shares: SharePolicy | None = None,
+    held: bool = False,
+    taints: TaintPolicy = DEFAULT_TAINTS,
 ) -> dict[str, Any]:
     capacity = device_capacity(device) if shares is None else shared_capacity(device, shares)
     attrs = device_attributes(device)
@@ -234,15 +236,14 @@ def device_entry(
             }
             for name, counters in sorted(device.consumes.items())
         ]
-    taints = []
-    if not device.healthy and unhealthy == "taint":
-        taints.append(
-            {"key": UNHEALTHY_TAINT_KEY, "value": taint_value(device.health_reason), "effect": "NoSchedule"}
-        )
+    published = []
+    fault = taints.fault_taint(device) if unhealthy == "taint" else None
+    if fault is not None:
+        published.append(fault)
     if held:
-        taints.append({"key": HELD_TAINT_KEY, "value": "true", "effect": "NoSchedule"})
-    if taints:
-        entry["taints"] = taints
+        published.append({"key": HELD_TAINT_KEY, "value": "true", "effect": "NoSchedule"})
+    if published:
+        entry["taints"] = published
     return entry
 
 
@@ -255,15 +256,17 @@ def pool_content(
     shares: SharePolicy | None = None,
     held: frozenset[str] = frozenset(),
     counter_sets: Sequence[CounterSet] = (),
+    taints: TaintPolicy = DEFAULT_TAINTS,
 ) -> PoolContent:
     """The pool's slices at ``generation``: devices in the backend's order (the allocator's first-fit
     order), withdrawn ones left out. A pool with no device still has one empty slice, so consumers see
     the pool (and that it is empty) rather than nothing."""
-    # Withdrawal leaves out what taints would mark: unhealthy devices and devices device-plugin pods still hold.
+    # Withdrawal leaves out what taints would keep from new claims: devices with a fault whose effect is not None
+    # and devices device-plugin pods still hold.
     entries = [
-        device_entry(d, unhealthy, shares, d.id in held)
+        device_entry(d, unhealthy, shares, d.id in held, taints)
         for d in devices
-        if unhealthy == "taint" or (d.healthy and d.id not in held)
+        if unhealthy == "taint" or (taints.schedulable(d) and d.id not in held)
     ]
     advanced = unhealthy == "taint" or bool(counter_sets)
     size = MAX_DEVICES_PER_SLICE_WITH_TAINTS if advanced else MAX_DEVICES_PER_SLICE

@@ -33,6 +33,7 @@ from kxpu.model.device import (
     pci_address,
 )
 from kxpu.model.edits import ContainerEdits, DeviceNode, Mount
+from kxpu.model.faults import FaultClass, fault_class
 from kxpu.model.limits import share_limit_env
 from kxpu.model.telemetry import (
     GRANT_ANNOTATION,
@@ -61,6 +62,7 @@ __all__ = [
     "DeviceNode",
     "DeviceShare",
     "DeviceUsage",
+    "FaultClass",
     "Grant",
     "GrantError",
     "Health",
@@ -81,6 +83,7 @@ __all__ = [
     "check_device_id",
     "decode_grants",
     "encode_grants",
+    "fault_class",
     "find_capability",
     "index_by_id",
     "numa_packed",

@@ -47,10 +47,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from kxpu.logs import get_logger
+from kxpu.logs import error_text, get_logger
 from kxpu.sharing import bounds, probes
 from kxpu.sharing import extender_metrics as metrics
-from kxpu.sharing.config import ControlPlaneConfig
+from kxpu.sharing.control_plane import ControlPlaneConfig
 from kxpu.sharing.lock import LockError, NodeLock
 from kxpu.sharing.scheduler import LockBusy, PodRef, Scheduler, SchedulerAPI
 from kxpu.sharing.state import ClusterState
@@ -320,17 +320,18 @@ async def sweep_locks(
             try:
                 await api.sweep_lock(node, resource, text, in_lease)
             except Exception as exc:
-                log.warning("could not check a node lock", node=node, resource=resource, error=str(exc))
+                log.warning(
+                    "could not check a node lock", node=node, resource=resource, error=error_text(exc)
+                )
 
 
 async def serve(config: ControlPlaneConfig, address: str, owner: str, metrics_address: str = "") -> None:
     """Run the extender until cancelled: caches from watches, keys from the Secret, HTTP on ``address``
     (and metrics and probes on ``metrics_address`` unless it is empty)."""
     from kxpu.kube.client import make_client
-    from kxpu.logs import error_text
-    from kxpu.sharing.kube.api import KubeSchedulerAPI
-    from kxpu.sharing.kube.informer import Informer
-    from kxpu.sharing.kube.keys import KeyStore, publish_public_keys
+    from kxpu.kube.sharing.api import KubeSchedulerAPI
+    from kxpu.kube.sharing.informer import Informer
+    from kxpu.kube.sharing.keys import KeyStore, publish_public_keys
 
     client = make_client()
     keys = KeyStore([config.signing_key, *config.extra_keys], lambda: client)

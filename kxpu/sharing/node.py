@@ -18,7 +18,7 @@
   missing, stale, forged or mismatched assignment is refused with a message naming the
   pod and the reason, and a Warning event on the pod.
 
-The API server is behind ``NodeLink`` (``kxpu.sharing.kube.node`` for real; tests use an
+The API server is behind ``NodeLink`` (``kxpu.kube.sharing.node`` for real; tests use an
 in-memory one). Kubelet call order makes "the next container" well defined: for one pod it
 admits containers in spec order, each with GetPreferredAllocation then Allocate per resource,
 so an Allocate goes to the first container not yet allocated whose devices are those offered.
@@ -41,7 +41,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from kxpu.logs import get_logger
+from kxpu.backoff import Backoff
+from kxpu.logs import error_text, get_logger
 from kxpu.model import (
     GRANT_ANNOTATION,
     Backend,
@@ -203,7 +204,7 @@ class SharingBackend(Backend):
                 await publisher
 
     async def _publish_loop(self, changed: asyncio.Event) -> None:
-        delay = 0.5
+        backoff = Backoff(initial=0.5, maximum=10.0)
         while True:
             await wait_event(changed, self.config.publish_interval_seconds)
             changed.clear()
@@ -212,13 +213,12 @@ class SharingBackend(Backend):
                 await self.link.publish(self.resource, self._key, inventory.encode(inv))
             except Exception as exc:
                 log.warning(
-                    "could not publish the inventory; retrying", resource=self.resource, error=str(exc)
+                    "could not publish the inventory; retrying", resource=self.resource, error=error_text(exc)
                 )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                await asyncio.sleep(backoff.next_delay())
                 changed.set()
                 continue
-            delay = 0.5
+            backoff.reset()
             if inv.devices != self._published:
                 log.info("inventory published", resource=self.resource, devices=len(inv.devices))
                 self._published = inv.devices
@@ -407,7 +407,7 @@ class SharingBackend(Backend):
             await self.link.finish(self.resource, lock)
         except Exception as exc:
             log.warning(
-                "could not release the node lock (it will be recovered)", pod=lock.pod, error=str(exc)
+                "could not release the node lock (it will be recovered)", pod=lock.pod, error=error_text(exc)
             )
 
     def _spawn(self, coro: Any) -> None:

@@ -1,7 +1,7 @@
 """The extender's decisions: filter, prioritize and bind over the in-memory cluster state.
 
 HTTP lives in ``extender.py``; the API server behind the ``SchedulerAPI`` protocol
-(``kxpu.sharing.kube.api`` for real, a fake in tests). Filter and prioritize only read
+(``kxpu.kube.sharing.api`` for real, a fake in tests). Filter and prioritize only read
 the state; fits are memoized by request shape and node version, so prioritize reuses
 filter's work and the next replica of a Deployment reuses every fit on nodes that did not
 change. Bind decides again — authoritatively, under a per-node mutex and

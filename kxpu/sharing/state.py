@@ -1,6 +1,6 @@
 """The scheduler's bookkeeping: every node's devices and what assigned pods use, kept incrementally.
 
-Fed by watch events (``kxpu.sharing.kube.informer``) or directly by tests and benchmarks;
+Fed by watch events (``kxpu.kube.sharing.informer``) or directly by tests and benchmarks;
 never by listing the API per request. Usage of a node is the sum of the assignments of
 its live pods (not Succeeded/Failed, not gone) plus *assumed* assignments: decisions made
 at bind whose pod update the watch has not delivered yet, so two binds in a row never

@@ -26,6 +26,12 @@ family:
 - pods with ``spec.nodeName`` preset that ask for shared devices (no scheduler decision,
   no assignment: the node would refuse them at admission anyway).
 
+With ``convertToClaims`` (the DRA path, ``kxpu.sharing.claims``), ``/mutate`` instead turns a pod's
+shared-device limits into consumable-capacity ResourceClaims (from ResourceClaimTemplates it makes before
+answering, none in a dry run: register it with ``sideEffects: NoneOnDryRun``) for the stock kube-scheduler and
+denies what a claim cannot express, and ``/validate`` denies a pod that still asks for shared devices (the
+mutating webhook never saw it). The privileged, protected-env and nodeName checks hold on both paths.
+
 Metrics (``kxpu_webhook_*``, see webhook_metrics) and ``/healthz``, ``/readyz`` are served
 in plain HTTP on ``--metrics-address``: the admission port's certificate is for the API server.
 
@@ -56,10 +62,12 @@ from typing import Any
 
 from aiohttp import web
 
+from kxpu.kube.sharing.templates import TemplateError
 from kxpu.logs import get_logger
 from kxpu.sharing import bounds, probes
 from kxpu.sharing import webhook_metrics as metrics
-from kxpu.sharing.config import DEFAULT_PROTECTED_ENV
+from kxpu.sharing.claims import ClaimFamily, Template, convert
+from kxpu.sharing.control_plane import DEFAULT_PROTECTED_ENV
 from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, BIND_PHASE_ANNOTATION, LOCK_PREFIX
 from kxpu.sharing.requests import RequestError, ResourceFamily, check_pod_shape, parse_pod, requested_names
 from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION
@@ -270,11 +278,19 @@ def make_app(
     protected_env: Sequence[str] = DEFAULT_PROTECTED_ENV,
     node_users: Sequence[str] = (),
     *,
+    claims: Sequence[ClaimFamily] | None = None,
+    templates: TemplateMaker | None = None,
     max_body: int = MAX_BODY_BYTES,
     body_budget: int = BODY_BUDGET_BYTES,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> web.Application:
-    """The admission app; bodies are bounded as ``kxpu.sharing.bounds`` describes."""
+    """The admission app; bodies are bounded as ``kxpu.sharing.bounds`` describes.
+
+    ``claims`` (the DRA path, ``convertToClaims``): ``/mutate`` turns shared-device limits into claims
+    (``kxpu.sharing.claims``) and ``templates`` makes the ResourceClaimTemplates they name before the answer.
+    """
+    if claims is not None and templates is None:
+        raise ValueError("converting pods to claims needs a template maker")
     budget = bounds.BodyBudget(body_budget)
     parser = bounds.Parser()
     guard: list[bounds.ConnectionGuard] = []  # set by serve()'s GuardedSite
@@ -300,44 +316,97 @@ def make_app(
                 return f"malformed request.{field}: {exc}"
         return None
 
-    def mutate_(raw: bytes) -> dict[str, Any]:
+    def convert_(review: dict[str, Any], started: float) -> Work:
+        assert claims is not None
+        try:
+            done = convert(
+                review.get("object") or {},
+                str(review.get("namespace") or ""),
+                claims,
+                protected_env,
+                scheduler_name,
+            )
+        except RequestError as exc:
+            log.info("denied", pod=_name(review), reason=str(exc))
+            return _answer("mutate", started, _review(review, False, str(exc)), "denied", "bad-request"), []
+        if not done.patch:
+            return _answer("mutate", started, _review(review, True), "allowed", "no-change"), []
+        log.info("converted to claims", pod=_name(review), templates=[t.name for t in done.templates])
+        answer = _answer("mutate", started, _review(review, True, patch=done.patch), "patched", "claims")
+        # a dry run (kubectl --dry-run=server) must change nothing: the API server is told NoneOnDryRun
+        return answer, [] if review.get("dryRun") else done.templates
+
+    def mutate_(raw: bytes) -> Work:
         review = body(raw)
         started = time.perf_counter()
         if (review.get("kind") or {}).get("kind") != "Pod" or review.get("operation") != "CREATE":
-            return _answer("mutate", started, _review(review, True), "allowed", "not-a-pod-create")
+            return _answer("mutate", started, _review(review, True), "allowed", "not-a-pod-create"), []
         bad = malformed(review)
         if bad:
-            return _answer("mutate", started, _review(review, False, bad), "denied", "malformed")
+            return _answer("mutate", started, _review(review, False, bad), "denied", "malformed"), []
+        if claims is not None:
+            return convert_(review, started)
         patch = mutate(review.get("object") or {}, families, scheduler_name)
         if patch:
             log.info("mutated", pod=_name(review), ops=len(patch))
-            return _answer("mutate", started, _review(review, True, patch=patch), "patched", "shared-devices")
-        return _answer("mutate", started, _review(review, True), "allowed", "no-change")
+            answer = _answer(
+                "mutate", started, _review(review, True, patch=patch), "patched", "shared-devices"
+            )
+            return answer, []
+        return _answer("mutate", started, _review(review, True), "allowed", "no-change"), []
 
-    def validate_(raw: bytes) -> dict[str, Any]:
+    def validate_(raw: bytes) -> Work:
         review = body(raw)
         started = time.perf_counter()
         if (review.get("kind") or {}).get("kind") != "Pod":
-            return _answer("validate", started, _review(review, True), "allowed", "not-a-pod")
+            return _answer("validate", started, _review(review, True), "allowed", "not-a-pod"), []
         bad = malformed(review)
         if bad:
-            return _answer("validate", started, _review(review, False, bad), "denied", "malformed")
-        reason = validate(review, families, trusted_users, scheduler_name, protected_env, node_users)
+            return _answer("validate", started, _review(review, False, bad), "denied", "malformed"), []
+        # convertToClaims: a converted pod asks for no shared name any more; kxpu's annotations and label stay
+        # guarded (pods the extender placed keep running while the cluster moves, and count by them)
+        reason = (_unconverted(review, families) if claims is not None else None) or validate(
+            review,
+            families,
+            trusted_users,
+            scheduler_name if claims is None else None,
+            protected_env,
+            node_users,
+        )
         if reason:
             log.info("denied", pod=_name(review), reason=reason)
             answer = _review(review, False, reason)
-            return _answer("validate", started, answer, "denied", metrics.reason_of(reason))
-        return _answer("validate", started, _review(review, True), "allowed", "valid")
+            return _answer("validate", started, answer, "denied", metrics.reason_of(reason)), []
+        return _answer("validate", started, _review(review, True), "allowed", "valid"), []
+
+    async def make_templates(answer: dict[str, Any], pending: Sequence[Template]) -> dict[str, Any]:
+        """The answer, once the templates it names exist; a denial saying why when they cannot be made."""
+        assert templates is not None
+        try:
+            await templates(pending)
+        except TemplateError as exc:
+            log.warning("denied: no claim template", error=str(exc))
+            metrics.ADMISSIONS.labels("mutate", "denied", "template").inc()
+            response = answer["response"]
+            return _review(
+                {"uid": response.get("uid", "")}, False, f"{exc} (the pod was not admitted: retry)"
+            )
+        return answer
 
     def endpoint(
-        name: str, work: Callable[[bytes], dict[str, Any]]
+        name: str, work: Callable[[bytes], Work]
     ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(request: web.Request) -> web.Response:
             reserved = 0
             try:
                 raw, reserved = await bounds.read_body(request, max_body, budget, request_timeout_s)
                 # large: parsed and answered on the worker thread, so small reviews keep being answered
-                answer = await parser.run(lambda: work(raw)) if len(raw) > bounds.INLINE_BYTES else work(raw)
+                if len(raw) > bounds.INLINE_BYTES:
+                    answer, pending = await parser.run(lambda: work(raw))
+                else:
+                    answer, pending = work(raw)
+                if pending:
+                    answer = await make_templates(answer, pending)
             except bounds.BodyError as exc:
                 metrics.REFUSED.labels(name, str(exc.status)).inc()
                 log.info("refused a request", webhook=name, status=exc.status, error=str(exc))
@@ -368,6 +437,20 @@ def make_app(
 
 
 GUARD = web.AppKey("guard", list)
+# An admission answer, and the claim templates that must exist before it is sent (the DRA path's).
+Work = tuple[dict[str, Any], Sequence[Template]]
+TemplateMaker = Callable[[Sequence[Template]], Awaitable[None]]
+
+
+def _unconverted(review: Mapping[str, Any], families: Sequence[ResourceFamily]) -> str | None:
+    """On the DRA path: a pod still asking for shared devices after the mutating webhook was not converted
+    (that webhook was skipped or failed open): no device plugin serves those names, so it could never run."""
+    if review.get("operation") != "CREATE" or not _asks(review.get("object") or {}, families):
+        return None
+    return (
+        "pods asking for shared devices are converted to ResourceClaims by kxpu's mutating webhook, which did "
+        "not convert this one: check that the MutatingWebhookConfiguration reaches the webhook"
+    )
 
 
 def _answer(
@@ -436,10 +519,19 @@ async def serve(
     metrics_address: str = "",
     protected_env: Sequence[str] = DEFAULT_PROTECTED_ENV,
     node_users: Sequence[str] = (),
+    claims: Sequence[ClaimFamily] | None = None,
 ) -> None:
-    """Serve HTTPS on ``address`` (and plain-HTTP metrics and probes on ``metrics_address``) until cancelled."""
+    """Serve HTTPS on ``address`` (and plain-HTTP metrics and probes on ``metrics_address``) until cancelled;
+    with ``claims``, converting shared-device pods to DRA claims (the API client is made here)."""
     tls = ReloadingTLS(cert, key)
-    app = make_app(families, scheduler_name, trusted_users, protected_env, node_users)
+    maker: TemplateMaker | None = None
+    if claims is not None:
+        from kxpu.kube.sharing.templates import TemplateStore
+
+        maker = TemplateStore().ensure
+    app = make_app(
+        families, scheduler_name, trusted_users, protected_env, node_users, claims=claims, templates=maker
+    )
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=REQUEST_TIMEOUT_S)
     await runner.setup()
     host, port = probes.parse_listen(address)
@@ -454,7 +546,11 @@ async def serve(
     )
     app[GUARD].append(site.guard)
     await site.start()
-    log.info("admission webhook listening", address=address, scheduler=scheduler_name)
+    log.info(
+        "admission webhook listening",
+        address=address,
+        scheduler=scheduler_name if claims is None else "(DRA: pods are converted to claims)",
+    )
     probe_runner: web.AppRunner | None = None
     if metrics_address:
         probe_runner, _ = await probes.start(probes.make_probe_app(lambda: True), metrics_address)

@@ -20,9 +20,10 @@ import asyncio
 import contextlib
 import copy
 import itertools
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,36 @@ def _check_request_policy(capacity: Mapping[str, Any], where: str) -> None:
         raise ApiRefused(422, f"{where}: " + "; ".join(problems))
 
 
+_TAINT_EFFECTS = ("NoExecute", "NoSchedule", "None")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def _check_taints(taints: Sequence[Mapping[str, Any]], where: str) -> None:
+    """The API server's checks on a device's taints (validateDeviceTaint): at most 16, a label-name key, a
+    label-value value, one of the three effects."""
+    if len(taints) > 16:
+        raise ApiRefused(422, f"{where}: Too many: {len(taints)}: must have at most 16 items")
+    for n, taint in enumerate(taints):
+        key, value, effect = taint.get("key") or "", taint.get("value") or "", taint.get("effect")
+        prefix, _, name = key.rpartition("/")
+        if (
+            not name
+            or len(name) > 63
+            or not _LABEL_VALUE.match(name)
+            or (prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)))
+        ):
+            raise ApiRefused(422, f"{where}[{n}].key: Invalid value: {key!r}: must be a label name")
+        if len(value) > 63 or not _LABEL_VALUE.match(value):
+            raise ApiRefused(422, f"{where}[{n}].value: Invalid value: {value!r}: must be a label value")
+        if effect not in _TAINT_EFFECTS:
+            raise ApiRefused(
+                422,
+                f'{where}[{n}].effect: Unsupported value: "{effect}": supported values: "NoExecute", "NoSchedule", '
+                '"None"',
+            )
+
+
 class ApiRefused(Exception):
     """What the fake API server refuses (status code and message, as lightkube's ApiError carries)."""
 
@@ -197,6 +228,7 @@ class FakeDraApi:
                 _check_request_policy(capacity, where)
             if not self.taints:
                 device.pop("taints", None)
+            _check_taints(device.get("taints") or [], f"spec.devices[{n}].taints")
             for taint in device.get("taints", []):  # the server stamps a taint when it first sees it
                 taint.setdefault("timeAdded", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             for capacity in device.get("capacity", {}).values():

@@ -41,6 +41,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kxpu.backends.amd.sysfs import SEAM
 from kxpu.testing.fake_host import FakeHost
 
 DRI_MAJOR = 226
@@ -466,6 +467,7 @@ class FakeAmd:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+FAKE_AMD_ENV = "KXPU_FAKE_AMD"
 _shared: dict[str, FakeAmd] = {}
 
 
@@ -492,7 +494,8 @@ def main(argv: list[str]) -> int:
         if len(argv) == 3 and argv[0] == "write":
             fake = FakeAmd(argv[1], Path(argv[2]))
             print(
-                f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_AMD={fake.root}"
+                f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_AMD={fake.root} "
+                "and --import kxpu.testing.fake_amd"
             )
             return 0
         if len(argv) >= 3 and argv[0] == "change":
@@ -516,6 +519,15 @@ def main(argv: list[str]) -> int:
         return 1
     print(USAGE)
     return 2
+
+
+def _stand_in() -> Path | None:
+    """The tree the amd and hygon backends read in place of hostRoot once this module is imported."""
+    value = os.environ.get(FAKE_AMD_ENV)
+    return from_env(value) if value else None
+
+
+SEAM.plug(_stand_in)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_amd``) plugs it in
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ without a driver, ``CNDEV_ERROR_IN_PROBLEM`` for a card that fell off the bus.
 
 Like Cambricon's own C mock (``pkg/cndev/mock/cndev.c``, which re-reads ``$MOCK_JSON`` on every
 call) the machine's state is a JSON file, here ``<root>/.kxpu-fake-cndev.json``, so a daemon in
-another process running the real backend over ``FakeLibcndev(root)`` (``KXPU_FAKE_CAMBRICON=<root>``)
+another process running the real backend over ``FakeLibcndev(root)`` (``KXPU_FAKE_CAMBRICON=<root>`` with
+``--import kxpu.testing.fake_cambricon``, which plugs this fake into the backend's seam)
 sees every change a test makes with ``FakeCambricon``. The profile values (models, memory, cores,
 which companion nodes exist) are illustrative; the calls and shapes are cndev's.
 
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from kxpu.backends.cambricon import cndev as c
+from kxpu.backends.cambricon.backend import SEAM
+from kxpu.backends.host import Host
 from kxpu.testing.fake_host import FakeHost
 
 STATE_FILE = ".kxpu-fake-cndev.json"
@@ -416,6 +419,7 @@ class FakeCambricon:
         self.fake.cleanup()
 
 
+FAKE_CAMBRICON_ENV = "KXPU_FAKE_CAMBRICON"
 _shared: dict[str, FakeCambricon] = {}
 
 
@@ -437,9 +441,25 @@ def main(argv: list[str]) -> int:
         return 2
     fake = FakeCambricon(argv[0], Path(argv[1]))
     print(
-        f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_CAMBRICON={fake.root}"
+        f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_CAMBRICON={fake.root} "
+        "and --import kxpu.testing.fake_cambricon"
     )
     return 0
+
+
+def _stand_in() -> tuple[Any, Host] | None:
+    """The libcndev and machine the cambricon backend uses in place of the host's once this module is
+    imported."""
+    value = os.environ.get(FAKE_CAMBRICON_ENV)
+    if not value:
+        return None
+    root = from_env(value)
+    return FakeLibcndev(root), Host(root)
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_cambricon``) plugs it in
 
 
 if __name__ == "__main__":

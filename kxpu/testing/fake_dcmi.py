@@ -14,6 +14,7 @@ removed, like a missing driver) and sysfs ``numa_node`` per PCI function.
 
 Live changes (health flips, a dropped or lost chip, a missing driver) go into a JSON state file
 in that root, which every call re-reads when it changed: a daemon in another process started with
+``--import kxpu.testing.fake_dcmi`` (which plugs this fake into the backend's seam),
 ``KXPU_FAKE_DCMI=<profile>`` and ``hostRoot`` pointing at the same root sees them at its next poll,
 as it would see the driver's answers change.
 """
@@ -32,6 +33,7 @@ from typing import Any
 
 from kxpu.atomicfile import write_atomically
 from kxpu.backends.ascend import dcmi
+from kxpu.backends.ascend.dcmi import SEAM, DcmiSource
 from kxpu.testing.fake_host import FakeHost
 
 FAKE_DCMI_ENV = "KXPU_FAKE_DCMI"
@@ -594,3 +596,14 @@ def from_env(host_root: Path) -> FakeDcmi | None:
             weakref.finalize(fake, fake.cleanup)  # a temporary root goes at exit; a given one stays
             _shared[key] = fake
         return fake
+
+
+def _stand_in(host_root: Path) -> DcmiSource | None:
+    """What the ascend backend loads in place of libdcmi once this module is imported."""
+    fake = from_env(host_root)
+    return None if fake is None else DcmiSource(fake.root, fake)
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_dcmi``) plugs it in

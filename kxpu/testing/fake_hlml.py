@@ -14,8 +14,9 @@ and ``accel_controlD<minor>`` (character devices as root), the driver's sysfs
 ``numa_node``, ``serial_number``, ``module_id``, ``device_type``, ``status``, ``pci_addr``).
 
 Faults are injected in-process (``inject_critical``, ``lose``, …) or, for a daemon in another
-process started with ``KXPU_FAKE_HLML=<profile>``, through the unix datagram socket named by
-``KXPU_FAKE_HLML_CONTROL`` (``send_control``), as ``fake_nvml`` does.
+process started with ``--import kxpu.testing.fake_hlml`` and ``KXPU_FAKE_HLML=<profile>``, through the
+unix datagram socket named by ``KXPU_FAKE_HLML_CONTROL`` (``send_control``), as ``fake_nvml`` does.
+Importing this module plugs the fake into ``kxpu.backends.gaudi.hlml.SEAM``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kxpu.backends.gaudi.hlml import SEAM, HlmlSource
 from kxpu.testing.fake_host import FakeHost
 
 with warnings.catch_warnings():  # importing pyhlml imports its own deprecated hlml_types module
@@ -448,3 +450,14 @@ def from_env(host_root: Path) -> FakeHlml | None:
                 fake.serve_control(control)
             _shared[key] = fake
         return fake
+
+
+def _stand_in(host_root: Path) -> HlmlSource | None:
+    """What the gaudi backend reads in place of pyhlml once this module is imported."""
+    fake = from_env(host_root)
+    return None if fake is None else HlmlSource(fake, fake.types, fake.root, fake=True)
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_hlml``) plugs it in

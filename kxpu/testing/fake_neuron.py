@@ -17,7 +17,8 @@ proves the backend finds attributes by name, not that it matches 2.31's real tre
 Changes happen as on hardware: ``set_ecc``/``set_state`` rewrite values in place (no inotify
 event, as sysfs raises none), ``lose``/``restore`` and ``unload_driver``/``load_driver`` remove
 and add directories and device nodes (which do raise events). The tree lives on disk, so a daemon
-in another process pointed at the root (``hostRoot``, or ``KXPU_FAKE_NEURON=<root>``) sees every
+in another process pointed at the root (``hostRoot``, or ``KXPU_FAKE_NEURON=<root>`` with
+``--import kxpu.testing.fake_neuron``, which plugs this fake into the backend's seam) sees every
 change. ``python -m kxpu.testing.fake_neuron <profile> <dir>`` writes one for ``kxpu devices``.
 """
 
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_FILE
+from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_FILE, SEAM
 from kxpu.testing.fake_host import FakeHost
 
 DEVICE_DIR = "/sys/devices/virtual/neuron_device"
@@ -224,6 +226,7 @@ class FakeNeuron:
         self.fake.cleanup()
 
 
+FAKE_NEURON_ENV = "KXPU_FAKE_NEURON"
 _shared: dict[str, FakeNeuron] = {}
 
 
@@ -244,8 +247,22 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m kxpu.testing.fake_neuron PROFILE DIR  (profiles: {', '.join(PROFILES)})")
         return 2
     fake = FakeNeuron(argv[0], Path(argv[1]))
-    print(f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_NEURON={fake.root}")
+    print(
+        f"wrote a fake {fake.profile.name} under {fake.root}; run kxpu with KXPU_FAKE_NEURON={fake.root} "
+        "and --import kxpu.testing.fake_neuron"
+    )
     return 0
+
+
+def _stand_in() -> Path | None:
+    """The tree the neuron backend reads in place of hostRoot once this module is imported."""
+    value = os.environ.get(FAKE_NEURON_ENV)
+    return from_env(value) if value else None
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_neuron``) plugs it in
 
 
 if __name__ == "__main__":

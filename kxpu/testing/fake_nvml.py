@@ -9,8 +9,10 @@ cannot drift). ``nvmlEventSetWait`` really blocks until an event or the timeout,
 raises ``NVML_ERROR_TIMEOUT``, so the backend's health thread runs as it would on a GPU.
 
 Faults are injected in-process (``inject_xid``, ``lose_gpu``, ``fail_event_wait``…) or,
-for a daemon in another process started with ``KXPU_FAKE_NVML=<profile>``, through the
-unix datagram socket named by ``KXPU_FAKE_NVML_CONTROL`` (see ``send_control``).
+for a daemon in another process started with ``--import kxpu.testing.fake_nvml`` and
+``KXPU_FAKE_NVML=<profile>``, through the unix datagram socket named by ``KXPU_FAKE_NVML_CONTROL``
+(see ``send_control``). Importing this module plugs the fake into the backend's seam
+(``kxpu.backends.nvidia.nvml.SEAM``); it plays a machine only while ``KXPU_FAKE_NVML`` names one.
 
 What telemetry reads is there too, with the binding's shapes: running processes as the
 binding's ``nvmlFriendlyObject`` of ``c_nvmlProcessInfo_v3_t`` fields (``usedGpuMemory`` None
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import pynvml
+
+from kxpu.backends.nvidia.nvml import SEAM, NvmlSource
 
 FAKE_NVML_ENV = "KXPU_FAKE_NVML"
 FAKE_NVML_CONTROL_ENV = "KXPU_FAKE_NVML_CONTROL"
@@ -1554,3 +1558,14 @@ def from_env() -> FakeNvml | None:
                 fake.serve_control(control)
             _shared[name] = fake
         return fake
+
+
+def _stand_in() -> NvmlSource | None:
+    """What the NVIDIA backend reads in place of pynvml once this module is imported."""
+    fake = from_env()
+    return None if fake is None else NvmlSource(fake, fake.host_root, fake=True)
+
+
+SEAM.plug(
+    _stand_in
+)  # importing this module (a test, or ``kxpu --import kxpu.testing.fake_nvml``) plugs it in

@@ -13,6 +13,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from kxpu.testing.fakes import import_args
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -50,6 +52,7 @@ class DaemonProcess:
         # No API server to review tokens here: /status open to the test (extra_args may say otherwise).
         args += ["--http-address", f"127.0.0.1:{self.http_port}", "--http-auth", "none", *self.extra_args]
         env = {**os.environ, **(self.env or {})}
+        args += import_args(env)  # a fake machine the environment names plays only when imported
         with open(self.log_path, "ab") as log:  # noqa: ASYNC230  (a local file, opened once)
             self.process = await asyncio.create_subprocess_exec(
                 *args, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env

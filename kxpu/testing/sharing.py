@@ -94,7 +94,7 @@ def pod(
 
 @dataclass
 class FakeCluster:
-    """Pods and nodes in memory, with the lock and annotation semantics of ``kxpu.sharing.kube``."""
+    """Pods and nodes in memory, with the lock and annotation semantics of ``kxpu.kube.sharing``."""
 
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     node_annotations: dict[str, dict[str, str]] = field(default_factory=dict)

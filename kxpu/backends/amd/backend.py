@@ -31,6 +31,7 @@ from kxpu.backends.amd.sysfs import (
     HYGON_VENDOR,
     KFD_NODES,
     PLATFORM_DIR,
+    SEAM,
     AmdReader,
     Gpu,
     Snapshot,
@@ -55,7 +56,6 @@ from kxpu.model import (
 
 log = get_logger("kxpu.backends.amd")
 
-FAKE_ENV = "KXPU_FAKE_AMD"
 AMDSMI_NOT_SUPPORTED = 2
 # Marketing names by PCI device ID, where sysfs has no product_name (the plugin asks libdrm).
 MODELS = {
@@ -124,7 +124,7 @@ class AmdBackend(Backend):
 
     def __init__(self, config: AmdCommonConfig, amdsmi: Any = None, host: Host | None = None) -> None:
         self.config = config
-        self.host = chosen_host(config, host, FAKE_ENV, "kxpu.testing.fake_amd", "amdgpu")
+        self.host = chosen_host(config, host, SEAM)
         self.reader = AmdReader(self.host, self.vendor)
         self._placement = PlacementReader(self.host)
         self._lock = threading.Lock()

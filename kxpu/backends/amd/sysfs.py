@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from kxpu.backends.fakes import Seam
 from kxpu.backends.host import Host, HostFileError
 from kxpu.logs import get_logger
 
 log = get_logger("kxpu.backends.amd")
+
+# A fake amdgpu machine plugs in here: the root of its tree (sys/, dev/), read in place of hostRoot.
+SEAM: Seam[[], Path] = Seam("amdgpu")
 
 MODULE_DIR = "/sys/module/amdgpu"
 DRIVER_DIR = "/sys/module/amdgpu/drivers/pci:amdgpu"

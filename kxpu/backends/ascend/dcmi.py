@@ -8,8 +8,8 @@ logical and physical IDs (``/dev/davinci<phy>``). Every call returns ``DCMI_OK``
 negative code; outputs come back through ``ctypes.byref`` out-parameters.
 
 The backend is handed a *module-like* object whose attributes are these functions (the real
-``ctypes.CDLL`` with argument types set, or ``kxpu.testing.fake_dcmi.FakeDcmi``), never an
-import, so tests and ``KXPU_FAKE_DCMI=<profile>`` run the real backend over a fake machine.
+``ctypes.CDLL`` with argument types set, or a stand-in plugged into ``SEAM``), never an import, so tests
+and a daemon that imports a fake (``KXPU_FAKE_DCMI=<profile>``) run the real backend over a fake machine.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kxpu.backends.fakes import Seam
 
 # The library object: a ctypes.CDLL, or the fake. Untyped on purpose, as with pynvml.
 Dcmi = Any
@@ -209,7 +211,7 @@ class DcmiSource:
     """Opens the DCMI library: the real one from the host, or a fake machine."""
 
     host_root: Path
-    fake: Any = None  # a FakeDcmi, or None for the real library
+    fake: Any = None  # a stand-in for the library (``open(paths)`` gives it), or None for the real one
 
     def open(self, paths: Sequence[str]) -> Dcmi:
         """The library, with argument types set; OSError naming what was tried when none loads."""
@@ -234,11 +236,10 @@ class DcmiSource:
         raise OSError("libdcmi.so not loadable (" + "; ".join(tried) + ")")
 
 
-def default_source(host_root: Path) -> DcmiSource:
-    """The fake named by ``KXPU_FAKE_DCMI`` if set (writing its machine under ``host_root``), else the host."""
-    from kxpu.testing.fake_dcmi import from_env
+# A stand-in for libdcmi plugs in here; it is given ``hostRoot`` (where it may write its machine).
+SEAM: Seam[[Path], DcmiSource] = Seam("DCMI")
 
-    fake = from_env(host_root)
-    if fake is not None:
-        return DcmiSource(fake.root, fake)
-    return DcmiSource(host_root)
+
+def default_source(host_root: Path) -> DcmiSource:
+    """The stand-in plugged into ``SEAM`` if it names a machine, else the host's library."""
+    return SEAM.stand_in(host_root) or DcmiSource(host_root)

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from kxpu.backends.cambricon.cndev import Card, Cndev, CndevError, Telemetry, load_library
+from kxpu.backends.fakes import Seam
 from kxpu.backends.host import Host, HostBackendConfig, host_changes
 from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
@@ -50,7 +51,6 @@ _MIB = 1024 * 1024
 log = get_logger("kxpu.backends.cambricon")
 
 VISIBLE_DEVICES_ENV = "CAMBRICON_VISIBLE_DEVICES"
-FAKE_ENV = "KXPU_FAKE_CAMBRICON"
 SHARE_SEPARATOR = "-_-"  # env-share copies: <uuid>-_-<n>, n from 1 (cambricon.go generateFakeDevs)
 GLOBAL_NODES = ("/dev/cambricon_ctl", "/dev/cambricon_gdr")
 PER_MLU_NODES = (
@@ -98,25 +98,18 @@ class Slot:
     copy: int | None = None
 
 
-def fake_source() -> tuple[Any, Host] | None:
-    """The fake cndev and machine named by KXPU_FAKE_CAMBRICON (a profile or a tree's path)."""
-    value = os.environ.get(FAKE_ENV)
-    if not value:
-        return None
-    from kxpu.testing.fake_cambricon import FakeLibcndev, from_env
-
-    root = from_env(value)
-    return FakeLibcndev(root), Host(root)
+# A stand-in for libcndev plugs in here: it answers the library and the machine (a fake tree) it reports.
+SEAM: Seam[[], tuple[Any, Host]] = Seam("cndev")
 
 
 @register_backend("cambricon", CambriconConfig)
 class CambriconBackend(Backend):
     def __init__(self, config: CambriconConfig, library: Any = None, host: Host | None = None) -> None:
         self.config = config
-        fake = fake_source() if library is None else None
+        fake = SEAM.stand_in() if library is None else None
         if fake is not None:
             library, host = fake
-            log.warning("using a fake libcndev", root=str(fake[1].root), env=FAKE_ENV)
+            log.warning("using a fake libcndev", root=str(host.root))
         self.host = host or config.host
         self._placement = PlacementReader(self.host)
         self._library = library

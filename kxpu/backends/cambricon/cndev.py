@@ -7,7 +7,7 @@ set to ``CNDEV_VERSION_6`` on input, a device is addressed by the handle
 ``cndevGetDeviceHandleByIndex`` returns, and each call answers a ``cndevRet_t``.
 
 The backend never loads the library at import: ``load_library`` does, and a fake with the same
-function names and argument conventions (``kxpu.testing.fake_cambricon.FakeLibcndev``) can stand in.
+function names and argument conventions can stand in (plugged into the backend's ``SEAM``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``pyhlml`` (PyPI ``habana-pyhlml``) mirrors NVML: ``hlmlInit`` loads ``libhlml.so`` (so importing
 it needs no driver), calls return bytes for strings and raise ``HLMLError`` subclasses carrying
 ``HLML_RETURN`` codes. Constants come from ``pyhlml.pyhlml_types_generated``; the fake
-(``kxpu.testing.fake_hlml``) takes them from the same module, so they cannot drift.
+takes them from the same module, so they cannot drift; it plugs into ``SEAM``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kxpu.backends.fakes import Seam
 
 Hlml = Any  # pyhlml is untyped
 
@@ -24,13 +26,15 @@ class HlmlSource:
     fake: bool = False
 
 
-def default_source(host_root: Path) -> HlmlSource:
-    """The fake named by ``KXPU_FAKE_HLML`` if set (writing its machine under ``host_root``), else pyhlml."""
-    from kxpu.testing.fake_hlml import from_env
+# A stand-in for pyhlml plugs in here; it is given ``hostRoot`` (where it may write its machine).
+SEAM: Seam[[Path], HlmlSource] = Seam("HLML")
 
-    fake = from_env(host_root)
+
+def default_source(host_root: Path) -> HlmlSource:
+    """The stand-in plugged into ``SEAM`` if it names a machine, else pyhlml."""
+    fake = SEAM.stand_in(host_root)
     if fake is not None:
-        return HlmlSource(fake, fake.types, fake.root, fake=True)
+        return fake
     with warnings.catch_warnings():  # pyhlml.main imports its own deprecated hlml_types module
         warnings.simplefilter("ignore", DeprecationWarning)
         import pyhlml

@@ -25,6 +25,7 @@ from kxpu.backends.neuron.sysfs import (
     LEGACY_PATHS,
     LNC_DEVICES,
     MEMORY_GIB,
+    SEAM,
     NeuronDevice,
     NeuronHost,
     NeuronReader,
@@ -48,7 +49,6 @@ log = get_logger("kxpu.backends.neuron")
 
 VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
 LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
-FAKE_ENV = "KXPU_FAKE_NEURON"
 DEVICE_NAMES = ("aws.amazon.com/neuron", "aws.amazon.com/neurondevice")
 CORE_NAMES = ("aws.amazon.com/neuroncore",)
 
@@ -124,7 +124,7 @@ class Unit:
 class NeuronBackend(Backend):
     def __init__(self, config: NeuronConfig, host: Host | None = None) -> None:
         self.config = config
-        self.host = chosen_host(config, host, FAKE_ENV, "kxpu.testing.fake_neuron", "Neuron")
+        self.host = chosen_host(config, host, SEAM)
         self.reader = NeuronReader(self.host, config.sysfs_paths)
         self._units: dict[str, Unit] = {}
         self._reported: dict[int, tuple[str, ...]] | None = None  # what was last logged per device

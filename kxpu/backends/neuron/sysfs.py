@@ -27,9 +27,14 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
+from kxpu.backends.fakes import Seam
 from kxpu.backends.host import Host, HostFileError
+
+# A fake Neuron machine plugs in here: the root of its tree (sys/, dev/, opt/), read in place of hostRoot.
+SEAM: Seam[[], Path] = Seam("Neuron")
 
 CLASS_DIR = "/sys/class/neuron_device"
 DRIVER_VERSION = "/sys/module/neuron/version"

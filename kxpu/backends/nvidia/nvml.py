@@ -1,8 +1,8 @@
 """Which NVML module the backend talks to, and small helpers around its errors.
 
-The backend never imports ``pynvml`` at module level: it is handed a module-like object
-(the real binding, or ``kxpu.testing.fake_nvml.FakeNvml``), so tests and the
-``KXPU_FAKE_NVML=<profile>`` daemon run the real backend code over a fake machine.
+The backend never imports ``pynvml`` at module level: it is handed a module-like object (the real binding,
+or a stand-in plugged into ``SEAM``: a test's fake, or the one a daemon started with ``--import`` of a fake
+module plays, named by ``KXPU_FAKE_NVML=<profile>``), so the real backend code runs over a fake machine.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kxpu.backends.fakes import Seam
 
 # nvml is deliberately untyped here: nvidia-ml-py ships no type information.
 Nvml = Any
@@ -22,13 +24,15 @@ class NvmlSource:
     fake: bool = False
 
 
-def default_source() -> NvmlSource:
-    """The fake named by ``KXPU_FAKE_NVML`` if set, else the real binding."""
-    from kxpu.testing.fake_nvml import from_env
+# A stand-in for pynvml (and the machine it reports) plugs in here.
+SEAM: Seam[[], NvmlSource] = Seam("NVML")
 
-    fake = from_env()
+
+def default_source() -> NvmlSource:
+    """The stand-in plugged into ``SEAM`` if it names a machine, else the real binding."""
+    fake = SEAM.stand_in()
     if fake is not None:
-        return NvmlSource(fake, fake.host_root, fake=True)
+        return fake
     import pynvml
 
     return NvmlSource(pynvml, Path("/"))

@@ -48,7 +48,8 @@ account: never the namespace's "default", which every pod of the namespace may r
 {{- end }}
 {{- end }}
 
-{{- /* kube-scheduler's image: by digest when one is set (sha256:...), else by tag. */}}
+{{- /* kube-scheduler's image: by digest when one is set (sha256:...), else by tag; no tag: the cluster's version
+(vMAJOR.MINOR.PATCH, without a provider's suffix, which registry.k8s.io does not tag). */}}
 {{- define "kxpu.kubeScheduler.image" -}}
 {{- $image := .Values.scheduler.kubeScheduler.image }}
 {{- if $image.digest }}
@@ -57,7 +58,8 @@ account: never the namespace's "default", which every pod of the namespace may r
 {{- end }}
 {{- printf "%s@%s" $image.repository $image.digest }}
 {{- else }}
-{{- printf "%s:%s" $image.repository $image.tag }}
+{{- $v := semver .Capabilities.KubeVersion.Version }}
+{{- printf "%s:%s" $image.repository (default (printf "v%d.%d.%d" $v.Major $v.Minor $v.Patch) $image.tag) }}
 {{- end }}
 {{- end }}
 
@@ -122,6 +124,23 @@ the lock Leases in the release namespace. */}}
 {{- end }}
 {{- if not (hasKey $sharing "lockNamespace") }}
 {{- $_ := set $sharing "lockNamespace" $.Release.Namespace }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* dra.taints: the taint effect per fault class for every resource served through DRA that names none. */}}
+{{- if .Values.dra.taints }}
+{{- range $out }}
+{{- if kindIs "map" .config }}
+{{- range (get .config "resources" | default list) }}
+{{- if and (kindIs "map" .) (eq (toString (get . "serve")) "dra") }}
+{{- if not (kindIs "map" (get . "dra")) }}
+{{- $_ := set . "dra" dict }}
+{{- end }}
+{{- if not (hasKey (get . "dra") "taints") }}
+{{- $_ := set (get . "dra") "taints" (deepCopy $.Values.dra.taints) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -9,12 +9,12 @@ from lightkube import ApiError, AsyncClient
 from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
-from kxpu.kube.client import annotations_of, is_status, make_client, now, post_event
+from kxpu.kube.client import annotations_of, get_or_none, is_status, make_client, now, post_event
+from kxpu.kube.sharing.api import release
+from kxpu.kube.sharing.keys import KeyStore
+from kxpu.kube.sharing.lease import LeaseLocks
 from kxpu.sharing.config import SharingConfig
 from kxpu.sharing.inventory import SHARING_NODE_LABEL
-from kxpu.sharing.kube.api import release
-from kxpu.sharing.kube.keys import KeyStore
-from kxpu.sharing.kube.lease import LeaseLocks
 from kxpu.sharing.lock import (
     BIND_PHASE_ANNOTATION,
     LOCK_PROTOCOL_ANNOTATION,
@@ -72,12 +72,8 @@ class KubeNodeLink:
         return lock
 
     async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any] | None:
-        try:
-            return (await self.client.get(Pod, name, namespace=namespace)).to_dict()
-        except ApiError as exc:
-            if is_status(exc, 404):
-                return None
-            raise
+        pod = await get_or_none(self.client, Pod, name, namespace)
+        return pod.to_dict() if pod is not None else None
 
     async def finish(self, resource: str, lock: NodeLock) -> None:
         annotations = {allocated_key(resource): str(int(now())), BIND_PHASE_ANNOTATION: "allocated"}

@@ -27,12 +27,12 @@ from lightkube import ApiError, AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import ConfigMap, Secret
 
-from kxpu.kube.client import is_status
-from kxpu.logs import get_logger
+from kxpu.kube.client import get_or_none, is_status
+from kxpu.logs import error_text, get_logger
 from kxpu.sharing.config import KeySource
 from kxpu.sharing.signing import Keyring, generate_private_pem, parse_keyring
 
-log = get_logger("kxpu.sharing.kube.keys")
+log = get_logger("kxpu.kube.sharing.keys")
 
 
 class KeyStore:
@@ -63,26 +63,18 @@ class KeyStore:
                 raise ValueError(f"{source.file}: {exc.strerror}; {self._hint(source)}") from None
         if source.config_map is not None:
             namespace, name = source.config_map_ref
-            try:
-                cm = await self._client().get(ConfigMap, name, namespace=namespace)
-            except ApiError as exc:
-                if not is_status(exc, 404):
-                    raise
-                raise ValueError(
-                    f"configmap {namespace}/{name} does not exist; {self._hint(source)}"
-                ) from None
+            cm = await get_or_none(self._client(), ConfigMap, name, namespace)
+            if cm is None:
+                raise ValueError(f"configmap {namespace}/{name} does not exist; {self._hint(source)}")
             text = (cm.data or {}).get(source.field)
             if text is None:
                 raise ValueError(f"configmap {namespace}/{name} has no field {source.field!r}")
             return str(text).encode()
         namespace, name = source.secret_ref
-        try:
-            secret = await self._client().get(Secret, name, namespace=namespace)
-        except ApiError as exc:
-            if not is_status(exc, 404):
-                raise
+        secret = await get_or_none(self._client(), Secret, name, namespace)
+        if secret is None:
             if not (source.generate and self.private_ok):
-                raise ValueError(f"secret {namespace}/{name} does not exist; {self._hint(source)}") from None
+                raise ValueError(f"secret {namespace}/{name} does not exist; {self._hint(source)}")
             secret = await self._generate(source)
         data = (secret.data or {}).get(source.field)
         if data is None:
@@ -149,7 +141,7 @@ class KeyStore:
             except Exception as exc:
                 if not self._keys:
                     raise
-                log.warning("could not refresh the signing keys; using the last ones", error=str(exc))
+                log.warning("could not refresh the signing keys; using the last ones", error=error_text(exc))
         return self._keys
 
     def current(self) -> Keyring:
@@ -168,11 +160,8 @@ async def publish_public_keys(client: AsyncClient, ref: str, ring: Keyring, fiel
     if not text:
         return False
     namespace, _, name = ref.partition("/")
-    try:
-        current = await client.get(ConfigMap, name, namespace=namespace)
-    except ApiError as exc:
-        if not is_status(exc, 404):
-            raise
+    current = await get_or_none(client, ConfigMap, name, namespace)
+    if current is None:
         meta = ObjectMeta(name=name, namespace=namespace, labels={"app.kubernetes.io/component": "sharing"})
         await client.create(ConfigMap(metadata=meta, data={field: text}))
         log.info("published the public keys", configmap=ref, keys=ring.describe())

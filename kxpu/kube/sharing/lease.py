@@ -16,7 +16,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.types import PatchType
 
-from kxpu.kube.client import is_status, version_of
+from kxpu.kube.client import CAS_ATTEMPTS, get_or_none, is_status, version_of
 from kxpu.sharing.lock import (
     LEASE_LABEL,
     LEASE_NODE_ANNOTATION,
@@ -25,8 +25,6 @@ from kxpu.sharing.lock import (
     NodeLock,
     lease_name,
 )
-
-_CAS_ATTEMPTS = 5
 
 
 class LeaseNamespaceMissing(RuntimeError):
@@ -41,12 +39,9 @@ class LeaseLocks:
 
     async def read(self, node: str, resource: str) -> tuple[str | None, str | None] | None:
         """(resourceVersion, lock text or None) of the node's lock Lease; None if there is no Lease."""
-        try:
-            lease = await self.client.get(Lease, lease_name(node, resource), namespace=self.namespace)
-        except ApiError as exc:
-            if is_status(exc, 404):
-                return None
-            raise
+        lease = await get_or_none(self.client, Lease, lease_name(node, resource), self.namespace)
+        if lease is None:
+            return None
         return version_of(lease), (lease.spec.holderIdentity if lease.spec is not None else None) or None
 
     def _spec(self, text: str) -> dict[str, object]:
@@ -109,7 +104,7 @@ class LeaseLocks:
                     return
                 if not is_status(exc, 409, 422):
                     raise
-        for _ in range(_CAS_ATTEMPTS):
+        for _ in range(CAS_ATTEMPTS):
             got = await self.read(node, resource)
             if got is None or got[1] is None:
                 return

@@ -1,4 +1,4 @@
-"""Exponential backoff for retries that must not hammer the kubelet nor wait too long."""
+"""Exponential backoff for retries that must not hammer the kubelet or the API server nor wait too long."""
 
 from __future__ import annotations
 

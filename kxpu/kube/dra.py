@@ -14,12 +14,13 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from kxpu.dra.prepare import ClaimRef
+from kxpu.kube.watch import list_version
 from kxpu.logs import error_text, get_logger
 
 if TYPE_CHECKING:
     from lightkube import AsyncClient
 
-log = get_logger("kxpu.dra.kube")
+log = get_logger("kxpu.kube.dra")
 
 COMPONENT = "kxpu-dra"
 
@@ -119,13 +120,8 @@ class DraKube:
     # -- ClaimSource ------------------------------------------------------------------------------------
     async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any] | None:
         lk, client = await self._api()
-        try:
-            claim = await client.get(lk.Claim, name, namespace=namespace)
-        except lk.ApiError as exc:
-            if lk.kube.is_status(exc, 404):
-                return None
-            raise
-        return dict(claim)
+        claim = await lk.kube.get_or_none(client, lk.Claim, name, namespace)
+        return dict(claim) if claim is not None else None
 
     # -- ClaimWatchApi (the claim cache) ----------------------------------------------------------------
     async def list_claims(self, each: Callable[[Mapping[str, Any]], None]) -> str | None:
@@ -134,10 +130,7 @@ class DraKube:
         listing = client.list(lk.Claim, namespace="*", chunk_size=500)
         async for claim in listing:
             each(claim)
-        try:
-            return str(listing.resourceVersion)
-        except Exception:  # lightkube's NotReadyError: no page came back
-            return None
+        return list_version(listing)
 
     async def watch_claims(self, version: str | None) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
         lk, client = await self._api()

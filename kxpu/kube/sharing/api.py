@@ -13,9 +13,9 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
-from kxpu.kube.client import annotations_of, is_status, now, post_event, version_of
-from kxpu.logs import get_logger
-from kxpu.sharing.kube.lease import LeaseLocks
+from kxpu.kube.client import CAS_ATTEMPTS, annotations_of, get_or_none, is_status, now, post_event, version_of
+from kxpu.kube.sharing.lease import LeaseLocks
+from kxpu.logs import error_text, get_logger
 from kxpu.sharing.lock import (
     ASSIGNED_POD_LABEL,
     HARD_EXPIRED,
@@ -26,9 +26,13 @@ from kxpu.sharing.lock import (
 )
 from kxpu.sharing.scheduler import LockBusy, PodRef
 
-log = get_logger("kxpu.sharing.kube.api")
+log = get_logger("kxpu.kube.sharing.api")
 
-_CAS_ATTEMPTS = 5
+
+def _kept_changing(node: str) -> LockBusy:
+    return LockBusy(f"node {node}: the lock kept changing under us")
+
+
 _Binding = create_namespaced_resource("", "v1", "Binding", "bindings")
 
 
@@ -71,12 +75,8 @@ class KubeSchedulerAPI:
         return pod.to_dict()
 
     async def _holder(self, lock: NodeLock) -> Mapping[str, Any] | None:
-        try:
-            return (await self.client.get(Pod, lock.name, namespace=lock.namespace)).to_dict()
-        except ApiError as exc:
-            if is_status(exc, 404):
-                return None
-            raise
+        pod = await get_or_none(self.client, Pod, lock.name, lock.namespace)
+        return pod.to_dict() if pod is not None else None
 
     def _new_lock(self, pod: PodRef) -> str:
         t = now()
@@ -124,7 +124,7 @@ class KubeSchedulerAPI:
             and await self.leases.cas(node, resource, view[0], self._new_lock(pod))
         ):
             return  # free as the cache last saw it: one compare-and-swap at that version, no read
-        for _ in range(_CAS_ATTEMPTS):
+        for _ in range(CAS_ATTEMPTS):
             got = await self.leases.read(node, resource)
             if got is None:
                 if await self.leases.create(node, resource, self._new_lock(pod)):
@@ -135,12 +135,12 @@ class KubeSchedulerAPI:
                 continue
             if await self.leases.cas(node, resource, version, self._new_lock(pod)):
                 return
-        raise LockBusy(f"node {node}: the lock kept changing under us")
+        raise _kept_changing(node)
 
     async def _clear_annotation(self, node: str, resource: str, pod: PodRef) -> None:
         """Remove the node's annotation lock for ``resource`` once it binds nobody; LockBusy while it does."""
         key = lock_key(resource)
-        for _ in range(_CAS_ATTEMPTS):
+        for _ in range(CAS_ATTEMPTS):
             obj = await self.client.get(Node, node)
             held = annotations_of(obj).get(key)
             if held is None:
@@ -149,7 +149,7 @@ class KubeSchedulerAPI:
                 continue
             if await self._cas(node, version_of(obj), {key: None}):
                 return
-        raise LockBusy(f"node {node}: the lock kept changing under us")
+        raise _kept_changing(node)
 
     async def _acquire_annotation(self, node: str, resource: str, pod: PodRef) -> None:
         key = lock_key(resource)
@@ -162,14 +162,14 @@ class KubeSchedulerAPI:
             and await self._cas(node, view[0], {key: self._new_lock(pod)})
         ):
             return
-        for _ in range(_CAS_ATTEMPTS):
+        for _ in range(CAS_ATTEMPTS):
             obj = await self.client.get(Node, node)
             held = annotations_of(obj).get(key)
             if held is not None and not await self._may_take(held, node, resource, pod):
                 continue
             if await self._cas(node, version_of(obj), {key: self._new_lock(pod)}):
                 return
-        raise LockBusy(f"node {node}: the lock kept changing under us")
+        raise _kept_changing(node)
 
     async def release_lock(self, node: str, resource: str, pod: PodRef) -> None:
         if self.uses_lease(node):
@@ -243,7 +243,7 @@ class KubeSchedulerAPI:
                 "kxpu-scheduler",
             )
         except ApiError as exc:
-            log.warning("could not post an event", pod=lock.pod, error=str(exc))
+            log.warning("could not post an event", pod=lock.pod, error=error_text(exc))
         return True
 
     async def _cas(self, node: str, version: str | None, annotations: Mapping[str, str | None]) -> bool:
@@ -301,7 +301,7 @@ async def release(client: AsyncClient, node: str, resource: str, uid: str, held:
         except ApiError as exc:
             if not is_status(exc, 409, 422):
                 raise
-    for _ in range(_CAS_ATTEMPTS):
+    for _ in range(CAS_ATTEMPTS):
         obj = await client.get(Node, node)
         held = annotations_of(obj).get(key)
         if held is None:

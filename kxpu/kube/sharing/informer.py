@@ -11,9 +11,10 @@ keeps its devices) and while the pod is live and not bound elsewhere.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from lightkube import AsyncClient
@@ -21,7 +22,8 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Node, Pod
 
 from kxpu.kube.client import annotations_of, name_of, uid_of, version_of
-from kxpu.logs import error_text, get_logger
+from kxpu.kube.watch import keep_watching, list_then_watch
+from kxpu.logs import get_logger
 from kxpu.sharing import signing
 from kxpu.sharing.inventory import SHARING_NODE_LABEL
 from kxpu.sharing.lock import (
@@ -35,7 +37,7 @@ from kxpu.sharing.model import Assignment
 from kxpu.sharing.placement import NodeFacts
 from kxpu.sharing.state import ClusterState
 
-log = get_logger("kxpu.sharing.kube.informer")
+log = get_logger("kxpu.kube.sharing.informer")
 
 
 def live_assignment(pod: Any, keys: signing.Keys) -> Assignment | None:
@@ -107,14 +109,6 @@ def annotations_node(annotations: Any) -> str:
         return ""
 
 
-def _list_version(listing: Any) -> str | None:
-    """The list's resourceVersion, to watch from exactly where the list ended (None: from now)."""
-    try:
-        return str(listing.resourceVersion)
-    except Exception:
-        return None
-
-
 class Informer:
     def __init__(
         self,
@@ -142,29 +136,47 @@ class Informer:
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(self._loop("nodes", self._sync_nodes))
-            tasks.create_task(self._loop("pods", self._sync_pods))
+            nodes = {"labels": {SHARING_NODE_LABEL: "true"}}
+            tasks.create_task(
+                self._follow("nodes", Node, nodes, self._set_node, self._drop_node, self._keep_nodes)
+            )
+            pods = {"namespace": "*", "labels": {ASSIGNED_POD_LABEL: "true"}}
+            tasks.create_task(self._follow("pods", Pod, pods, self._set_pod, self._drop_pod, self._keep_pods))
             if self.lock_namespace is not None:
-                tasks.create_task(self._loop("leases", self._sync_leases))
-
-    async def _loop(self, what: str, sync: Callable[[], Any]) -> None:
-        delay = 0.5
-        while True:
-            try:
-                await sync()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning(
-                    "watch failed; listing again",
-                    what=what,
-                    error=error_text(exc),
-                    retry_in_s=delay,
+                leases = {"namespace": self.lock_namespace, "labels": {LEASE_LABEL: "true"}}
+                tasks.create_task(
+                    self._follow(
+                        "leases", Lease, leases, self._set_lease, self._drop_lease, self._keep_leases
+                    )
                 )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-                continue
-            delay = 0.5
+
+    async def _follow(
+        self,
+        what: str,
+        resource: type,
+        selector: dict[str, Any],
+        put: Callable[[Any], Hashable | None],
+        drop: Callable[[Any], object],
+        keep_only: Callable[[set[Any]], object],
+    ) -> None:
+        """Keep the cache of ``what`` following the API server: list, then watch; list again after any break."""
+
+        async def watch_round(delivered: Callable[[], None]) -> None:
+            await list_then_watch(
+                self.client,
+                resource,
+                selector,
+                put=put,
+                drop=drop,
+                keep_only=keep_only,
+                synced=functools.partial(self._mark, what),
+                delivered=delivered,
+            )
+
+        def failed(error: str, retry_in_s: float) -> None:
+            log.warning("watch failed; listing again", what=what, error=error, retry_in_s=retry_in_s)
+
+        await keep_watching(watch_round, failed)
 
     def _mark(self, what: str) -> None:
         if not self._synced[what]:
@@ -173,27 +185,33 @@ class Informer:
             if self.ready:
                 self.synced_event.set()
 
-    async def _sync_nodes(self) -> None:
-        listing = self.client.list(Node, labels={SHARING_NODE_LABEL: "true"})
-        seen: set[str] = set()
-        async for node in listing:
-            name = name_of(node)
-            seen.add(name)
-            self._set_node(node)
+    def _drop_node(self, node: Any) -> None:
+        self.state.remove_node(name_of(node))
+
+    def _keep_nodes(self, seen: set[str]) -> None:
         for gone in set(self.state.node_names) - seen:
             self.state.remove_node(gone)
-        self._mark("nodes")
-        version = _list_version(listing)
-        async for event, node in self.client.watch(
-            Node, labels={SHARING_NODE_LABEL: "true"}, resource_version=version
-        ):
-            name = name_of(node)
-            if event == "DELETED":
-                self.state.remove_node(name)
-            else:
-                self._set_node(node)
 
-    def _set_node(self, node: Any) -> None:
+    def _drop_pod(self, pod: Any) -> None:
+        self.state.remove_pod(uid_of(pod))
+
+    def _keep_pods(self, seen: set[str]) -> None:
+        for gone in self.state.pod_uids() - seen:
+            self.state.remove_pod(gone)
+
+    def _drop_lease(self, lease: Any) -> None:
+        self._set_lease(lease, deleted=True)
+
+    def _keep_leases(self, seen: set[tuple[str, str]]) -> None:
+        for node, resource in self.state.lease_keys() - seen:
+            self.state.set_lease(node, resource, None, None)
+
+    def _set_pod(self, pod: Any) -> str:
+        uid = uid_of(pod)
+        self.state.set_pod(uid, live_assignment(pod, self.keys()))
+        return uid
+
+    def _set_node(self, node: Any) -> str:
         name = name_of(node)
         self.state.set_node(name, annotations_of(node), version_of(node))
         spec = node.spec
@@ -204,27 +222,7 @@ class Informer:
         labels = dict((node.metadata.labels if node.metadata is not None else None) or {})
         unschedulable = bool(spec is not None and spec.unschedulable)
         self.state.set_node_facts(name, NodeFacts(labels, tuple(taints), unschedulable))
-
-    async def _sync_pods(self) -> None:
-        listing = self.client.list(Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"})
-        keys = self.keys()
-        seen: set[str] = set()
-        async for pod in listing:
-            uid = uid_of(pod)
-            seen.add(uid)
-            self.state.set_pod(uid, live_assignment(pod, keys))
-        for gone in self.state.pod_uids() - seen:
-            self.state.remove_pod(gone)
-        self._mark("pods")
-        version = _list_version(listing)
-        async for event, pod in self.client.watch(
-            Pod, namespace="*", labels={ASSIGNED_POD_LABEL: "true"}, resource_version=version
-        ):
-            uid = uid_of(pod)
-            if event == "DELETED":
-                self.state.remove_pod(uid)
-            else:
-                self.state.set_pod(uid, live_assignment(pod, self.keys()))
+        return name
 
     def _set_lease(self, lease: Any, deleted: bool = False) -> tuple[str, str] | None:
         meta = lease.metadata
@@ -243,20 +241,3 @@ class Informer:
             holder = lease.spec.holderIdentity if lease.spec is not None else None
             self.state.set_lease(node, resource, version_of(lease) or "", holder or None)
         return node, resource
-
-    async def _sync_leases(self) -> None:
-        assert self.lock_namespace is not None
-        listing = self.client.list(Lease, namespace=self.lock_namespace, labels={LEASE_LABEL: "true"})
-        seen: set[tuple[str, str]] = set()
-        async for lease in listing:
-            key = self._set_lease(lease)
-            if key is not None:
-                seen.add(key)
-        for node, resource in self.state.lease_keys() - seen:
-            self.state.set_lease(node, resource, None, None)
-        self._mark("leases")
-        version = _list_version(listing)
-        async for event, lease in self.client.watch(
-            Lease, namespace=self.lock_namespace, labels={LEASE_LABEL: "true"}, resource_version=version
-        ):
-            self._set_lease(lease, deleted=event == "DELETED")
