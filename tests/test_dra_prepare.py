@@ -379,3 +379,31 @@ async def test_a_call_cancelled_midway_leaves_none_of_its_claims_prepared(tmp_pa
     assert list(rig.cdi.glob("*.json")) == []
     answers = await rig.make().prepare([first])
     assert answers[first.uid].error is None
+
+
+async def test_a_call_needs_no_worker_thread_unless_another_process_wrote_the_checkpoint(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Handing work to a thread costs more than a prepare's own work on a busy node: the checkpoint lock looks at
+    the file with a stat on the loop and reads it in a thread only when another process of the driver replaced
+    it (a rolling update's other pod)."""
+    import asyncio
+
+    from kxpu.dra import checkpoint as checkpoint_module
+
+    hops: list[str] = []
+    real = asyncio.to_thread
+
+    async def to_thread(func: Any, *args: Any) -> Any:
+        hops.append(getattr(func, "__name__", repr(func)))
+        return await real(func, *args)
+
+    monkeypatch.setattr(checkpoint_module.asyncio, "to_thread", to_thread)
+    claims = [rig.api.add_claim(f"c{n}", [result(f"sim-{n}")]) for n in range(2)]
+    assert (await rig.preparer.prepare(claims[:1]))[claims[0].uid].error is None
+    assert (await rig.preparer.unprepare(claims[:1]))[claims[0].uid] is None
+    assert hops == []
+    other = rig.make()  # another process of the driver prepares a claim
+    assert (await other.prepare(claims[1:]))[claims[1].uid].error is None
+    assert (await rig.preparer.prepare(claims[1:]))[claims[1].uid].error is None
+    assert hops == ["refresh"] and set(rig.preparer.checkpoint.claims) == {claims[1].uid}

@@ -163,7 +163,9 @@ class Checkpoint:
         """Hold the driver's checkpoint lock; the file is reloaded first if another process wrote it since this
         one last did (yields whether it was)."""
         async with self.lock.hold():
-            reloaded = await asyncio.to_thread(self.refresh)
+            # A stat on the loop (microseconds; a worker thread costs a prepare's latency): the file is read in a
+            # thread only when another process replaced it.
+            reloaded = await asyncio.to_thread(self.refresh) if _identity(self.path) != self._seen else False
             yield reloaded
 
     def refresh(self) -> bool:
