@@ -389,8 +389,6 @@ async def test_a_call_needs_no_worker_thread_unless_another_process_wrote_the_ch
     it (a rolling update's other pod)."""
     import asyncio
 
-    from kxpu.dra import checkpoint as checkpoint_module
-
     hops: list[str] = []
     real = asyncio.to_thread
 
@@ -398,7 +396,7 @@ async def test_a_call_needs_no_worker_thread_unless_another_process_wrote_the_ch
         hops.append(getattr(func, "__name__", repr(func)))
         return await real(func, *args)
 
-    monkeypatch.setattr(checkpoint_module.asyncio, "to_thread", to_thread)
+    monkeypatch.setattr("kxpu.dra.checkpoint.asyncio.to_thread", to_thread)
     claims = [rig.api.add_claim(f"c{n}", [result(f"sim-{n}")]) for n in range(2)]
     assert (await rig.preparer.prepare(claims[:1]))[claims[0].uid].error is None
     assert (await rig.preparer.unprepare(claims[:1]))[claims[0].uid] is None
