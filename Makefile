@@ -64,6 +64,7 @@ bench: dev
 	$(BIN)/python bench/bench_nvidia.py
 	$(BIN)/python bench/bench_telemetry.py
 	$(BIN)/python bench/bench_amd.py
+	$(BIN)/python bench/bench_dra_prepare_cpu.py
 ifeq ($(ROOT),0)
 	hack/cluster/build.sh k8s
 	$(BIN)/python bench/bench_dra_sharing.py --control-plane-only
