@@ -202,8 +202,8 @@ class Preparer:
                         failed.append((ref, message))
                 failed += await self._save_prepared(unsaved, results)
             except BaseException:  # cancelled (the kubelet's deadline): what is not on disk is undone
-                for claim in reversed(unsaved):
-                    await self._undo(claim)
+                while unsaved:
+                    await self._undo(unsaved.pop())
                 raise
             metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
         for ref, message in failed:
@@ -261,13 +261,15 @@ class Preparer:
             self.checkpoint.save()
         except CheckpointError as exc:
             failed = []
-            for claim in reversed(unsaved):
+            while (
+                unsaved
+            ):  # each taken off before it is undone: a cancellation meanwhile undoes the rest once
+                claim = unsaved.pop()
                 metrics.PREPARE_ERRORS.labels(self.driver).inc()
                 message = self._failure_text(claim.ref, exc)
                 results[claim.ref.uid] = Prepared(error=message)
                 failed.append((claim.ref, message))
                 await self._undo(claim)
-            unsaved.clear()
             return failed[::-1]
         for claim in unsaved:
             self.log.info(
