@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml hack/dev-requirements.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --only-binary=:all: --require-hashes \
 		-r hack/dev-requirements.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/python -m compileall -q kxpu  # the first daemon start (an e2e run's) finds its bytecode
 	touch $@
 
 ## Everything CI runs.
@@ -63,6 +64,7 @@ bench: dev
 	$(BIN)/python bench/bench_nvidia.py
 	$(BIN)/python bench/bench_telemetry.py
 	$(BIN)/python bench/bench_amd.py
+	$(BIN)/python bench/bench_dra_prepare_cpu.py
 ifeq ($(ROOT),0)
 	hack/cluster/build.sh k8s
 	$(BIN)/python bench/bench_dra_sharing.py --control-plane-only
@@ -93,6 +95,7 @@ ifeq ($(ROOT),0)
 	hack/cluster/build.sh all
 	KXPU_K8S_RELEASE=$(OLDEST_K8S) hack/cluster/build.sh k8s
 	hack/image/build.sh
+	$(BIN)/pytest tests/test_image_bytecode.py -q
 	$(BIN)/pytest e2e -q
 	KXPU_K8S_RELEASE=$(OLDEST_K8S) $(BIN)/pytest e2e -q -m core
 else

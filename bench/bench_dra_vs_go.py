@@ -16,7 +16,9 @@ DRAPlugin service). Per driver, ``--claims`` ResourceClaims are created with the
 ``status`` as the scheduler does, once the driver's ResourceSlices are in the API; each is then prepared and
 unprepared. Reported: exec → registered with the kubelet, NodePrepareResources p50/p99,
 NodeUnprepareResources p50, the driver's CPU per claim (prepare + unprepare), its RSS after the claims, and
-the ratios to the Go driver. ``--foreign N`` then creates N claims allocated to other nodes' pools while kxpu
+the ratios to the Go driver. ``--baseline TREE`` runs kxpu from another source tree (a git worktree of an
+earlier commit) and from this one, both as ``python -S -m kxpu`` with the same claims: before and after in one
+run. ``--foreign N`` then creates N claims allocated to other nodes' pools while kxpu
 (with its cache) runs, and reports its RSS before and after and what its cache holds.
 
 ``python bench/bench_dra_vs_go.py [--claims 300] [--foreign 0] [--rounds 1] [--baseline TREE] [--json]
@@ -280,7 +282,7 @@ async def run_contender(
         refs: list[ClaimRef] = []
 
         async def make(i: int) -> None:
-            name = f"vs-{c.name}-{tag}-{i:04d}"
+            name = f"vs-{c.name.replace('@', '-')}-{tag}-{i:04d}"
             refs.append(await allocated_claim(client, name, c.driver, NODE, c.device.format(i=i % DEVICES)))
 
         await gather_limited(16, [make(i) for i in range(claims)])
@@ -399,7 +401,7 @@ async def bench(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
                 if args.baseline is not None:
                     for name, tree in (("kxpu-start@baseline", args.baseline), ("kxpu-start@tree", REPO)):
                         contender = KxpuFromTree(Path(tempfile.mkdtemp(dir=tmp)), tree, name)
-                        got = await run_contender(client, contender, cluster.kubeconfig, 0)
+                        got = await run_contender(client, contender, cluster.kubeconfig, args.claims)
                         for k, v in got.items():
                             results.setdefault(name, {}).setdefault(k, []).append(v)
             if args.foreign:
@@ -466,9 +468,13 @@ def table(results: dict[str, Any]) -> str:
             f"by GET {results[name].get('claim_reads_api', 0):g}"
         )
     if "kxpu-start@baseline" in results:
-        before = results["kxpu-start@baseline"]["exec_to_registered_ms"]
-        after = results["kxpu-start@tree"]["exec_to_registered_ms"]
-        lines.append(f"exec → registered (python -S -m kxpu): baseline {before} ms, this tree {after} ms")
+        before, after = results["kxpu-start@baseline"], results["kxpu-start@tree"]
+        lines.append("\n--baseline against this tree, both started as `python -S -m kxpu`, same claims:")
+        lines.append("| | baseline | this tree | tree / baseline |\n|---|---|---|---|")
+        for title, key in rows:
+            if key in before and key in after:
+                ratio = f"{after[key] / before[key]:.2f}x" if before[key] else ""
+                lines.append(f"| {title} | {before[key]} | {after[key]} | {ratio} |")
     if "foreign" in results:
         f = results["foreign"]
         lines.append(
@@ -491,7 +497,7 @@ def main() -> int:
     parser.add_argument(
         "--baseline",
         type=Path,
-        help="another kxpu source tree (a git worktree): its start-up beside this tree's",
+        help="another kxpu source tree (a git worktree): its start-up and claims beside this tree's",
     )
     parser.add_argument(
         "--startup",

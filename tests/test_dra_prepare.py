@@ -290,3 +290,118 @@ async def test_the_checkpoint_reaches_the_disk_before_prepare_answers(
     directory = str(rig.root / "plugins" / DRIVER)
     assert any(p.startswith(directory + "/.checkpoint.json.") for p in synced), synced
     assert directory in synced
+
+
+def _checkpoint_fsyncs(monkeypatch: pytest.MonkeyPatch, rig: Rig) -> list[str]:
+    """The checkpoint's durable writes, as the kernel sees them (an fsync of its temp file each)."""
+    import os
+
+    synced: list[str] = []
+    real = os.fsync
+    prefix = str(rig.root / "plugins" / DRIVER / ".checkpoint.json.")
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.startswith(prefix):
+            synced.append(path)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+async def test_one_durable_checkpoint_write_per_call_however_many_claims(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod's claims come in one call; each flush costs the disk's latency, so the call's claims are recorded
+    in one write (before any is answered), and unprepared in one."""
+    rig = Rig(tmp_path, count=8)
+    synced = _checkpoint_fsyncs(monkeypatch, rig)
+    claims = [rig.api.add_claim(f"c{n}", [result(f"sim-{n}")]) for n in range(6)]
+    answers = await rig.preparer.prepare(claims)
+    assert [answers[c.uid].error for c in claims] == [None] * 6
+    assert len(synced) == 1
+    on_disk = Checkpoint(rig.root / "plugins" / DRIVER / "checkpoint.json", DRIVER)
+    on_disk.load()
+    assert set(on_disk.claims) == {c.uid for c in claims}
+    assert await rig.preparer.prepare(claims) == answers and len(synced) == 1  # asked again: nothing written
+    assert await rig.preparer.unprepare(claims) == dict.fromkeys((c.uid for c in claims), None)
+    assert len(synced) == 2
+
+
+async def test_a_checkpoint_that_cannot_be_written_fails_every_claim_of_the_call(rig: Rig) -> None:
+    """The call's claims share one write: if it fails, none of them is prepared, each gets the one-line error
+    and an event, and nothing they wrote stays (their CDI specs); the next call, once the disk is back, prepares
+    them."""
+    claims = [rig.api.add_claim(f"c{n}", [result(f"sim-{n}")]) for n in range(3)]
+    checkpoint = rig.root / "plugins" / DRIVER / "checkpoint.json"
+    checkpoint.mkdir(parents=True)  # the checkpoint cannot be replaced
+    answers = await rig.preparer.prepare(claims)
+    for claim in claims:
+        error = answers[claim.uid].error or ""
+        assert error.startswith(f"cannot write the DRA checkpoint {checkpoint}") and "\n" not in error, error
+    assert sorted(ref.name for ref, _, _ in rig.api.events) == ["c0", "c1", "c2"]
+    assert rig.preparer.checkpoint.claims == {}
+    assert list(rig.cdi.glob("*.json")) == []
+    checkpoint.rmdir()
+    answers = await rig.preparer.prepare(claims)
+    assert [answers[c.uid].error for c in claims] == [None, None, None]
+    assert len(list(rig.cdi.glob("*.json"))) == 3
+
+
+async def test_a_call_cancelled_midway_leaves_none_of_its_claims_prepared(tmp_path: Path) -> None:
+    """The kubelet's deadline cancels the call after one claim was recorded in memory (its write is the
+    call's, still to come): that claim is undone too, so nothing is prepared that the disk does not hold."""
+    import asyncio
+
+    rig = Rig(tmp_path)
+    waiting = asyncio.Event()
+
+    class Handshake(SimulatedBackend):
+        async def allocate_async(self, devices: Any) -> Any:
+            if devices[0].id == "sim-1":
+                waiting.set()
+                await asyncio.Event().wait()  # never answers
+            return self.allocate(devices)
+
+        async def preferred_allocation_async(self, available: Any, must: Any, size: int) -> list[str]:
+            return []
+
+    rig.backend = Handshake(rig.backend.config)
+    preparer = rig.make()
+    first, stuck = (rig.api.add_claim(n, [result(f"sim-{i}")]) for i, n in enumerate(("first", "stuck")))
+    call = asyncio.ensure_future(preparer.prepare([first, stuck]))
+    await asyncio.wait_for(waiting.wait(), 5)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert preparer.checkpoint.claims == {}
+    assert list(rig.cdi.glob("*.json")) == []
+    answers = await rig.make().prepare([first])
+    assert answers[first.uid].error is None
+
+
+async def test_a_call_needs_no_worker_thread_unless_another_process_wrote_the_checkpoint(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Handing work to a thread costs more than a prepare's own work on a busy node: the checkpoint lock looks at
+    the file with a stat on the loop and reads it in a thread only when another process of the driver replaced
+    it (a rolling update's other pod)."""
+    import asyncio
+
+    hops: list[str] = []
+    real = asyncio.to_thread
+
+    async def to_thread(func: Any, *args: Any) -> Any:
+        hops.append(getattr(func, "__name__", repr(func)))
+        return await real(func, *args)
+
+    monkeypatch.setattr("kxpu.dra.checkpoint.asyncio.to_thread", to_thread)
+    claims = [rig.api.add_claim(f"c{n}", [result(f"sim-{n}")]) for n in range(2)]
+    assert (await rig.preparer.prepare(claims[:1]))[claims[0].uid].error is None
+    assert (await rig.preparer.unprepare(claims[:1]))[claims[0].uid] is None
+    assert hops == []
+    other = rig.make()  # another process of the driver prepares a claim
+    assert (await other.prepare(claims[1:]))[claims[1].uid].error is None
+    assert (await rig.preparer.prepare(claims[1:]))[claims[1].uid].error is None
+    assert hops == ["refresh"] and set(rig.preparer.checkpoint.claims) == {claims[1].uid}

@@ -16,7 +16,9 @@ checkpoint write releases again on the next unprepare (``Partitioner.release`` i
 
 Write-ahead order, so that a crash (SIGKILL) at any point leaves nothing that cannot be undone: the
 partitions a claim is about to get are recorded (``Checkpoint.making``) before the backend makes them, the
-CDI spec is written next, and the claim is recorded last (dropping its ``making``). ``reconcile`` (at start,
+CDI spec is written next, and the claim is recorded last (dropping its ``making``): one durable checkpoint write
+for all the claims of a call, before any of them is answered (a write that fails undoes and fails each of them;
+a call cancelled before it undoes those it recorded). ``reconcile`` (at start,
 and when making a partition fails) destroys the partitions of every ``making`` no prepared claim owns, through
 the backend's ``PartitionReclaimer`` capability, and releases ``unreleased`` handles; ``release_deleted_claims``
 (at start) unprepares checkpointed claims the API no longer has (deleted while the daemon was down, the
@@ -121,6 +123,19 @@ class Prepared:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Unsaved:
+    """A claim recorded in the checkpoint in memory but not yet on disk, with what undoing it takes."""
+
+    ref: ClaimRef
+    allocation: ClaimAllocation
+    spec_path: Path | None
+    handles: list[Mapping[str, str | int]]
+    making: Making | None  # its write-ahead partition record, dropped by the record
+    devices: tuple[PreparedDevice, ...]
+    held: tuple[tuple[PreparedDevice, Device | None], ...] = ()  # what status.devices reports once saved
+
+
 class Preparer:
     def __init__(
         self,
@@ -139,6 +154,8 @@ class Preparer:
         self.shares = shares
         self.pool = pool
         self.backend = backend
+        # Asked once (a runtime protocol check costs tens of microseconds, on every claim otherwise).
+        self._allocate_async = backend.allocate_async if isinstance(backend, AsyncAllocator) else None
         self._by_name: dict[str, Device] = {}
         self.status: StatusReporter | None = None
         self.update_devices(devices or {})
@@ -210,16 +227,24 @@ class Preparer:
             missing = [r for r in refs if r.uid not in fetched and not self._known(r)]
             if missing:
                 fetched.update(await self._fetch(missing))
-            for ref in refs:
-                started = time.perf_counter()
-                try:
-                    results[ref.uid] = Prepared(devices=await self._prepare_one(ref, fetched.get(ref.uid)))
-                    metrics.PREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
-                except Exception as exc:
-                    metrics.PREPARE_ERRORS.labels(self.driver).inc()
-                    message = self._failure_text(ref, exc)
-                    results[ref.uid] = Prepared(error=message)
-                    failed.append((ref, message))
+            unsaved: list[_Unsaved] = []  # recorded in memory, not yet on disk: undone if the call stops
+            try:
+                for ref in refs:
+                    started = time.perf_counter()
+                    try:
+                        devices = await self._prepare_one(ref, fetched.get(ref.uid), unsaved)
+                        results[ref.uid] = Prepared(devices=devices)
+                        metrics.PREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
+                    except Exception as exc:
+                        metrics.PREPARE_ERRORS.labels(self.driver).inc()
+                        message = self._failure_text(ref, exc)
+                        results[ref.uid] = Prepared(error=message)
+                        failed.append((ref, message))
+                failed += await self._save_prepared(unsaved, results)
+            except BaseException:  # cancelled (the kubelet's deadline): what is not on disk is undone
+                while unsaved:
+                    await self._undo(unsaved.pop())
+                raise
             metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
         for ref, message in failed:
             await self.claims.claim_event(ref, "KxpuPrepareFailed", message)
@@ -264,9 +289,62 @@ class Preparer:
         self.log.warning("claim not prepared", claim=ref.ref, uid=ref.uid, reason=message)
         return message
 
+    async def _save_prepared(
+        self, unsaved: list[_Unsaved], results: dict[str, Prepared]
+    ) -> list[tuple[ClaimRef, str]]:
+        """One durable checkpoint write for every claim this call recorded, before any of them is answered; if
+        it fails, each of them is undone and answered with the error (the kubelet retries). Empties
+        ``unsaved``; returns the claims that failed, with their message."""
+        if not unsaved:
+            return []
+        try:
+            self.checkpoint.save()
+        except CheckpointError as exc:
+            failed = []
+            while (
+                unsaved
+            ):  # each taken off before it is undone: a cancellation meanwhile undoes the rest once
+                claim = unsaved.pop()
+                metrics.PREPARE_ERRORS.labels(self.driver).inc()
+                message = self._failure_text(claim.ref, exc)
+                results[claim.ref.uid] = Prepared(error=message)
+                failed.append((claim.ref, message))
+                await self._undo(claim)
+            return failed[::-1]
+        for claim in unsaved:
+            self.log.info(
+                "claim prepared",
+                claim=claim.ref.ref,
+                uid=claim.ref.uid,
+                devices={d.device: d.id for d in claim.devices},
+                cdi=[c for d in claim.devices for c in d.cdi_device_ids],
+            )
+            if self.status is not None:  # only a claim on disk is announced in its status
+                self.status.prepared(claim.ref, self.pool, list(claim.held))
+        unsaved.clear()
+        return []
+
+    async def _undo(self, claim: _Unsaved) -> None:
+        """Forget a claim prepared in memory whose record did not reach the disk: its entry, its CDI spec and
+        its partitions go, its write-ahead partition record comes back until they are released."""
+        uid = claim.ref.uid
+        self.checkpoint.claims.pop(uid, None)
+        if claim.making is not None:
+            self.checkpoint.making[uid] = claim.making
+        if claim.spec_path is not None:
+            claim.spec_path.unlink(missing_ok=True)
+        if self.metadata is not None:
+            with contextlib.suppress(OSError):
+                requests = {parent_request(a.request) for a in claim.allocation.devices}
+                self.metadata.remove(claim.ref.namespace, claim.ref.name, uid, requests)
+        if await self._release_quietly(claim.allocation, claim.handles):
+            self._forget_making(uid)
+
     async def _prepare_one(
-        self, ref: ClaimRef, claim: Mapping[str, Any] | Exception | None
+        self, ref: ClaimRef, claim: Mapping[str, Any] | Exception | None, unsaved: list[_Unsaved]
     ) -> tuple[PreparedDevice, ...]:
+        """Prepare one claim and record it in memory (``unsaved``): ``prepare`` writes the checkpoint once for
+        the call's claims."""
         known = self.checkpoint.claims.get(ref.uid)
         if known is not None and _spec_present(known):
             return known.devices  # the kubelet asks again after a restart or a timeout: same answer
@@ -295,37 +373,17 @@ class Preparer:
             if self.metadata is not None:
                 prepared = self._write_metadata(ref, claim, chosen, prepared)
             spec_path = self._write_spec(ref.uid, entries) if entries else None
-            self.checkpoint.claims[ref.uid] = PreparedClaim(
-                ref.namespace, ref.name, str(spec_path) if spec_path else None, tuple(prepared)
-            )
-            making = self.checkpoint.making.pop(ref.uid, None)
-            try:
-                self.checkpoint.save()
-            except BaseException:
-                if making is not None:
-                    self.checkpoint.making[ref.uid] = making
-                raise
         except BaseException:
-            self.checkpoint.claims.pop(ref.uid, None)
-            if spec_path is not None:
-                spec_path.unlink(missing_ok=True)
-            if self.metadata is not None:
-                with contextlib.suppress(OSError):
-                    requests = {parent_request(a.request) for a in allocation.devices}
-                    self.metadata.remove(ref.namespace, ref.name, ref.uid, requests)
-            if await self._release_quietly(allocation, list(handles.values())):
-                self._forget_making(ref.uid)
+            await self._undo(_Unsaved(ref, allocation, spec_path, list(handles.values()), None, ()))
             raise
-        self.log.info(
-            "claim prepared",
-            claim=ref.ref,
-            uid=ref.uid,
-            devices={d.device: d.id for d in prepared},
-            cdi=[c for d in prepared for c in d.cdi_device_ids],
+        devices = tuple(prepared)
+        self.checkpoint.claims[ref.uid] = PreparedClaim(
+            ref.namespace, ref.name, str(spec_path) if spec_path else None, devices
         )
-        if self.status is not None:
-            self.status.prepared(ref, self.pool, [(p, by_name.get(p.device)) for p in prepared])
-        return tuple(prepared)
+        making = self.checkpoint.making.pop(ref.uid, None)  # the record replaces it (in the same write)
+        held = tuple((p, by_name.get(p.device)) for p in devices)
+        unsaved.append(_Unsaved(ref, allocation, spec_path, list(handles.values()), making, devices, held))
+        return devices
 
     def _write_metadata(
         self,
@@ -757,24 +815,25 @@ class Preparer:
         shared = self.shares is not None and any(
             g.cores < 100 or g.memory_mib < (g.device.memory_mib or 0) for g in grants
         )
-        # Unset: the backend's own way (MPS where it enforces shares itself), else HAMi-core's variables.
         strategy = next(
             (
                 c.sharing.strategy
                 for r, c in allocation.configs.items()
                 if parent_request(r) == request and c.sharing is not None
             ),
-            "MPS" if isinstance(self.backend, ShareAllocator) else "TimeSlicing",
+            None,
         )
         if strategy == "MPS" and not isinstance(self.backend, ShareAllocator):
             raise ClaimError(
                 f"ResourceClaim {allocation.ref}: sharing strategy MPS asked, but driver {self.driver}'s backend cannot "
                 "enforce shares itself (for nvidia: sharing.mps in its config)"
             )
-        if shared and strategy == "MPS" and isinstance(self.backend, ShareAllocator):
+        # Unset: the backend's own way (MPS where it enforces shares itself), else HAMi-core's variables. (The
+        # protocol checks are asked only when they matter: each costs tens of microseconds.)
+        if shared and strategy in (None, "MPS") and isinstance(self.backend, ShareAllocator):
             edits = self.backend.allocate_shares(grants)  # the vendor enforces the grant itself (MPS limits)
-        elif isinstance(self.backend, AsyncAllocator):
-            edits = await self.backend.allocate_async(devices)
+        elif self._allocate_async is not None:
+            edits = await self._allocate_async(devices)
         else:
             edits = self.backend.allocate(devices)
         if shared:
@@ -809,7 +868,8 @@ class Preparer:
         if errors:
             raise BackendError(f"the container edits make an invalid CDI spec: {'; '.join(errors)}")
         path = self.spec_path(uid)
-        write_atomically(path, json.dumps(spec, indent=1) + "\n")
+        # Compact: json's C encoder serves only calls without indent (the indenting one is pure Python).
+        write_atomically(path, json.dumps(spec, separators=(",", ":")) + "\n")
         return path
 
     # -- unprepare --------------------------------------------------------------------------------------
