@@ -165,6 +165,42 @@ def test_daemonset_rolls_with_surge_and_names_sockets_after_the_pod(default: Ren
     assert stop_first["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
 
 
+def test_a_vendor_library_reaches_the_daemon_through_extra_volumes(
+    default: Rendered, helm: Path, tmp_path: Path
+) -> None:
+    """The image ships no vendor library (libdcmi.so, libcndev.so, libhlml.so; NVML comes with NVIDIA's runtime):
+    an operator mounts the node's driver files and picks a RuntimeClass; by default neither is rendered."""
+    spec = default.one("DaemonSet")["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in spec
+    default_names = {v["name"] for v in spec["volumes"]}
+    values = tmp_path / "ascend.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "plugin": {
+                    "runtimeClassName": "nvidia",
+                    "extraVolumes": [
+                        {
+                            "name": "ascend-driver",
+                            "hostPath": {"path": "/usr/local/Ascend/driver", "type": "Directory"},
+                        }
+                    ],
+                    "extraVolumeMounts": [
+                        {"name": "ascend-driver", "mountPath": "/usr/local/Ascend/driver", "readOnly": True}
+                    ],
+                }
+            }
+        )
+    )
+    spec = template(helm, "-f", str(values)).one("DaemonSet")["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "nvidia"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert set(volumes) == default_names | {"ascend-driver"}
+    assert volumes["ascend-driver"]["hostPath"] == {"path": "/usr/local/Ascend/driver", "type": "Directory"}
+    mount = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}["ascend-driver"]
+    assert mount == {"name": "ascend-driver", "mountPath": "/usr/local/Ascend/driver", "readOnly": True}
+
+
 def test_config_is_the_values_config(default: Rendered) -> None:
     ds = default.one("DaemonSet")
     config = config_of(default, ds)
