@@ -154,17 +154,21 @@ class SlicePublisher:
         foreign = [o for o in existing if not _owned_by(o, self._node_uid)]
         mine = [o for o in existing if _owned_by(o, self._node_uid)]
         self.generation = max([self.generation, *(_generation(o) for o in existing)])
-        current = pool_content(
-            self.driver,
-            self.node,
-            devices,
-            self.generation,
-            self.unhealthy,
-            self.shares,
-            held,
-            counter_sets,
-            self.taints,
-        )
+
+        def content_at(generation: int) -> PoolContent:
+            return pool_content(
+                self.driver,
+                self.node,
+                devices,
+                generation,
+                self.unhealthy,
+                self.shares,
+                held,
+                counter_sets,
+                self.taints,
+            )
+
+        current = content_at(self.generation)
         specs = [o.get("spec") or {} for o in mine]
         up_to_date = (
             not foreign
@@ -190,17 +194,7 @@ class SlicePublisher:
             await self.api.delete_slice(obj["metadata"]["name"])
             self.known.pop(obj["metadata"]["name"], None)
         self.generation += 1
-        content = pool_content(
-            self.driver,
-            self.node,
-            devices,
-            self.generation,
-            self.unhealthy,
-            self.shares,
-            held,
-            counter_sets,
-            self.taints,
-        )
+        content = content_at(self.generation)
         by_name = {o["metadata"]["name"]: o for o in mine}
         wanted = {slice_name(self.node, self.driver, i): spec for i, spec in enumerate(content.slices)}
         for name, spec in wanted.items():
