@@ -200,3 +200,34 @@ async def test_a_template_claim_from_the_claim_cache_keeps_its_pod_claim_name(ri
     assert (
         mount["containerPath"] == f"{IN_CONTAINER}/resourceclaimtemplates/devices/npu/{DRIVER}-metadata.json"
     )
+
+
+async def test_a_hand_made_pod_claim_name_cannot_move_the_mount(rig: Rig) -> None:
+    """Anyone may write a claim with the annotation the resourceclaim controller sets: a value that is not a DNS
+    label (a pod claim name is one) is ignored, the file mounted under resourceclaims/<claim>."""
+    claim = rig.api.add_claim("c", [result("sim-0")])
+    rig.api.claims[("default", "c")]["metadata"]["annotations"] = {
+        "resource.kubernetes.io/pod-claim-name": "../../../../etc/x"
+    }
+    assert (await rig.preparer.prepare([claim]))[claim.uid].error is None
+    spec = json.loads((rig.cdi / f"{DRIVER}_metadata_{claim.uid}_npu.json").read_text())
+    (mount,) = spec["devices"][0]["containerEdits"]["mounts"]
+    assert mount["containerPath"] == f"{IN_CONTAINER}/resourceclaims/c/npu/{DRIVER}-metadata.json"
+
+
+async def test_an_orphan_spec_pointing_outside_the_metadata_directory_removes_nothing_there(
+    rig: Rig, tmp_path: Path
+) -> None:
+    outside = tmp_path / "precious" / "dir"
+    outside.mkdir(parents=True)
+    (outside / "metadata.json").write_text("{}")
+    writer = MetadataWriter(DRIVER, rig.plugin_dir, rig.cdi)
+    writer.root.mkdir(parents=True)  # the kernel walks '..' only through directories that exist
+    sneaky = writer.root / ".." / ".." / ".." / "precious" / "dir" / "metadata.json"
+    assert sneaky.resolve() == (outside / "metadata.json").resolve()
+    spec = rig.cdi / f"{DRIVER}_metadata_0000_npu.json"
+    rig.cdi.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps({"devices": [{"containerEdits": {"mounts": [{"hostPath": str(sneaky)}]}}]}))
+    writer.remove_orphan(spec)
+    assert not spec.exists()
+    assert (outside / "metadata.json").exists()

@@ -14,9 +14,9 @@ import pytest
 import trustme
 from aiohttp import web
 
-from kxpu.kube.sharing.templates import TemplateError
+from kxpu.kube.sharing.templates import TemplateError, same_template
 from kxpu.sharing import webhook
-from kxpu.sharing.claims import ClaimFamily, Template, convert
+from kxpu.sharing.claims import MAX_TEMPLATES_PER_POD, ClaimFamily, Template, convert
 from kxpu.sharing.control_plane import ControlPlaneConfig, FamilyConfig
 from kxpu.sharing.requests import RequestError
 from kxpu.testing.sharing import pod
@@ -311,3 +311,39 @@ async def test_kxpus_annotations_and_label_stay_guarded_while_pods_convert(
     assert answer["allowed"] is False and "kxpu.io/assigned" in answer["status"]["message"]
     forged = pod("f", [{"cpu": 1}], annotations={"kxpu.io/assignment": "{}"})
     assert (await server.review("/validate", request(forged)))["allowed"] is False
+
+
+async def test_a_pod_needing_too_many_templates_is_denied_before_any_is_made(
+    dra_server: tuple[Server, Maker],
+) -> None:
+    """Each template is an API call before the answer and an object left behind: a pod cannot make 17."""
+    server, maker = dra_server
+    containers = [{"nvidia.com/gpumem": 1000 + n} for n in range(MAX_TEMPLATES_PER_POD + 1)]
+    denied = await server.review("/mutate", request(pod("many", containers)))
+    assert denied["allowed"] is False and maker.made == []
+    assert denied["status"]["message"] == (
+        "pod needs 17 distinct claim templates (one per container and shape); kxpu makes at most 16 for one pod: "
+        "give its containers fewer distinct shared-device requests"
+    )
+    # the same shape in every container is one template
+    same = await server.review("/mutate", request(pod("same", [{"nvidia.com/gpumem": 1000}] * 20)))
+    assert same["allowed"] is True and len(maker.made) == 1
+
+
+def test_a_template_found_under_kxpus_name_must_be_exactly_kxpus() -> None:
+    """Template names are predictable (kxpu-<family>-<hash of the spec>): one made beforehand by someone who may
+    write templates in the namespace, with the same requests plus opaque config (env into every container),
+    tolerations or labels, must not be taken for kxpu's."""
+    (made,) = convert(pod("p", [{"nvidia.com/gpumem": 3000}]), "default", FAMILIES).templates
+    theirs = copy.deepcopy(made.spec)
+    assert same_template({"spec": theirs}, made.spec)
+    with_config = copy.deepcopy(made.spec)
+    with_config["devices"]["config"] = [
+        {"opaque": {"driver": "gpu.nvidia.com", "parameters": {"env": {"A": "b"}}}}
+    ]
+    tolerating = copy.deepcopy(made.spec)
+    tolerating["devices"]["requests"][0]["exactly"]["tolerations"] = [{"operator": "Exists"}]
+    assert not same_template({"spec": with_config}, made.spec)
+    assert not same_template({"spec": tolerating}, made.spec)
+    assert not same_template({"metadata": {"labels": {"x": "y"}}, "spec": theirs}, made.spec)
+    assert not same_template({"spec": {**theirs, "devices": {"requests": []}}}, made.spec)

@@ -32,7 +32,7 @@ from typing import Any
 
 from kxpu.atomicfile import write_atomically
 from kxpu.cdi.spec import build_spec, qualified_name, validate_spec
-from kxpu.dra.names import parent_request
+from kxpu.dra.names import is_dns_label, parent_request
 from kxpu.model import ContainerEdits, Mount
 
 CONTAINER_DIR = "/var/run/kubernetes.io/dra-device-attributes"
@@ -65,7 +65,9 @@ def container_path(driver: str, claim_name: str, pod_claim_name: str | None, req
 def pod_claim_name(claim: Mapping[str, Any]) -> str | None:
     annotations = (claim.get("metadata") or {}).get("annotations") or {}
     value = annotations.get(POD_CLAIM_NAME)
-    return str(value) if value else None
+    # Set by the resourceclaim controller to the pod's claim name (a DNS label); anyone may write a claim by hand,
+    # so anything else stays out of the container path (../ would climb out of the metadata directory).
+    return str(value) if isinstance(value, str) and is_dns_label(value) else None
 
 
 def document(
@@ -188,7 +190,15 @@ class MetadataWriter:
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             host = None
         spec.unlink(missing_ok=True)
-        if host is not None and host.is_relative_to(self.root) and host.name == "metadata.json":
+        # only the shape this writer makes, <root>/<namespace>_<claim>/<request>/metadata.json, with no '..'
+        # climbing out of it (a lexical is_relative_to would let root/../../etc through)
+        if (
+            host is not None
+            and host.is_absolute()
+            and ".." not in host.parts
+            and host.parent.parent.parent == self.root
+            and host.name == "metadata.json"
+        ):
             shutil.rmtree(host.parent, ignore_errors=True)
             with contextlib.suppress(OSError):
                 host.parent.parent.rmdir()

@@ -195,6 +195,11 @@ def _check_pod(pod: Mapping[str, Any], names: frozenset[str], protected: Sequenc
         )
 
 
+# Each template is an API call the webhook makes, one after another, before it answers (and an object left in
+# the namespace): a bound keeps one pod from holding the webhook past its deadline or filling etcd.
+MAX_TEMPLATES_PER_POD = 16
+
+
 def convert(
     pod: Mapping[str, Any],
     namespace: str,
@@ -238,6 +243,11 @@ def convert(
                 )
             pod_claims.append({"name": pod_claim, "resourceClaimTemplateName": name})
             container_claims.setdefault(n, []).append({"name": pod_claim})
+    if len(templates) > MAX_TEMPLATES_PER_POD:
+        raise RequestError(
+            f"pod needs {len(templates)} distinct claim templates (one per container and shape); kxpu makes at "
+            f"most {MAX_TEMPLATES_PER_POD} for one pod: give its containers fewer distinct shared-device requests"
+        )
     for n, claims in sorted(container_claims.items()):
         resources = containers[n].get("resources") or {}
         base = f"/spec/containers/{n}/resources"

@@ -7,7 +7,7 @@ one (a 409 is success), unless someone else made an object of that name with ano
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kxpu.logs import error_text, get_logger
@@ -47,6 +47,14 @@ def _holds(stored: Any, wanted: Any) -> bool:
     return bool(stored == wanted)
 
 
+def same_template(stored: Mapping[str, Any], wanted: Any) -> bool:
+    """Whether a template found under kxpu's name is exactly kxpu's, both ways: one made by someone else under
+    the predictable name with something more (opaque config with env, tolerations, admin access, labels for
+    its claims) would otherwise reach every pod converted to it."""
+    spec = stored.get("spec")
+    return not stored.get("metadata") and _holds(spec, wanted) and _holds(wanted, spec)
+
+
 class TemplateError(Exception):
     """A template could not be made: one line, naming it and why."""
 
@@ -84,7 +92,7 @@ class TemplateStore:
                 existing = await client.get(kind, template.name, namespace=template.namespace)
             except Exception as exc:
                 raise TemplateError(f"cannot read {where}: {error_text(exc)}") from None
-            if not _holds((existing.get("spec") or {}).get("spec"), template.spec):
+            if not same_template(existing.get("spec") or {}, template.spec):
                 raise TemplateError(
                     f"{where} exists with another spec (kxpu names its templates after their spec): delete it"
                 )
