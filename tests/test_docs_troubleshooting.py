@@ -33,7 +33,7 @@ QUOTED = [
     ("kxpu/dra/checkpoint.py", "DRA checkpoint unusable; starting with no prepared claims"),
     ("kxpu/sharing/webhook.py", "(the pod was not admitted: retry)"),
     ("kxpu/sharing/claims.py", "become a DRA claim (capacity requests are absolute, in MiB): ask for"),
-    ("kxpu/sharing/claims.py", "kxpu makes at most"),
+    ("kxpu/sharing/claims.py", "for one pod: give its containers fewer distinct shared-device requests"),
     ("kxpu/dra/config.py", "(POD_UID) cannot name a socket: use the pod's UID (downward API metadata.uid)"),
     (
         "kxpu/dra/plugin.py",
