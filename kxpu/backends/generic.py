@@ -32,6 +32,7 @@ from kxpu.logs import get_logger
 from kxpu.model import (
     MAX_DEVICE_ID_LENGTH,
     MAX_NUMA_NODE,
+    SUB_DEVICE_SEPARATOR,
     Backend,
     ContainerEdits,
     Device,
@@ -44,7 +45,7 @@ log = get_logger("kxpu.backends.generic")
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
-SHARE_SEPARATOR = "::"
+SHARE_SEPARATOR = SUB_DEVICE_SEPARATOR
 
 
 class DeviceGroup(BackendConfig):

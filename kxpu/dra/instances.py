@@ -43,8 +43,11 @@ class HostLock:
         """Take the lock if no other holder has it; True if this object holds it now."""
         if self._fd is not None:
             return True
-        self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # its directory, only the first time (this runs on every prepare call)
+            self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -142,7 +142,7 @@ class MetadataWriter:
             errors = validate_spec(spec)
             if errors:
                 raise OSError(f"the metadata mount makes an invalid CDI spec: {'; '.join(errors)}")
-            write_atomically(self.spec_path(uid, base), json.dumps(spec, indent=1) + "\n")
+            write_atomically(self.spec_path(uid, base), json.dumps(spec) + "\n")  # compact: the C encoder
             ids[base] = qualified_name(self.kind, cdi_name)
         return ids
 

@@ -54,12 +54,10 @@ from kxpu.dra.taints import TaintPolicy
 from kxpu.fswatch import directory_changes
 from kxpu.kube.watch import keep_watching
 from kxpu.logs import error_text, get_logger
-from kxpu.model import Backend, Partitioner
+from kxpu.model import SUB_DEVICE_SEPARATOR, Backend, Partitioner
 from kxpu.sockets import MAX_SOCKET_PATH, live_socket
 from kxpu.timeouts import wait_event
 
-# kxpu's IDs of the parts of one device the device plugin hands out (sharing slots, replicas, shares)
-SUB_DEVICE_SEPARATOR = "::"
 log = get_logger("kxpu.dra.plugin")
 
 RESYNC_SECONDS = 30.0
@@ -171,6 +169,7 @@ class DraPlugin:
         self.snapshot = snapshot
         self.plugin_dir = plugins_dir / driver
         self.checkpoint = Checkpoint(self.plugin_dir / "checkpoint.json", driver)
+        taints = TaintPolicy(settings.taints.effects())
         self.preparer = Preparer(
             driver,
             node,
@@ -180,7 +179,7 @@ class DraPlugin:
             settings.cdi_spec_dir,
             claims,
             settings.shares,
-            TaintPolicy(settings.taints.effects()),
+            taints,
         )
         self.claim_cache = self.preparer.claim_cache = claim_cache
         self.preparer.metadata_dir = self.plugin_dir
@@ -201,9 +200,7 @@ class DraPlugin:
             else None
         )
         self.slice_api = slices
-        self.publisher = SlicePublisher(
-            slices, driver, node, settings.unhealthy, policy, TaintPolicy(settings.taints.effects())
-        )
+        self.publisher = SlicePublisher(slices, driver, node, settings.unhealthy, policy, taints)
         self._republish = asyncio.Event()  # the slices in the API may no longer be what was published
         self._active = asyncio.Event()  # serving (not standing by): only then are slices published
         # One process of the driver writes its slices at a time: the other waits for this lock (kxpu.dra.instances).

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kxpu.dra.names import device_name
-from kxpu.dra.taints import TAINT_KEYS, TaintPolicy
+from kxpu.dra.taints import TaintPolicy
 from kxpu.logs import get_logger
-from kxpu.model import MAX_NUMA_NODE, CounterSet, Device, FaultClass, pci_address
+from kxpu.model import MAX_NUMA_NODE, CounterSet, Device, pci_address
 
 log = get_logger("kxpu.dra.slices")
 
@@ -39,7 +39,6 @@ MAX_COUNTER_SETS_PER_SLICE = 8
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_STRING_VALUE = 64
 MAX_IDENTIFIER = 32
-UNHEALTHY_TAINT_KEY = TAINT_KEYS[FaultClass.OTHER]
 DEFAULT_TAINTS = TaintPolicy()  # every fault NoSchedule
 # Still held by a pod that got it through the device plugin (a node moving from the device plugin to DRA).
 HELD_TAINT_KEY = "kxpu.io/held-by-device-plugin"

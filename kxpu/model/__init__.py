@@ -25,6 +25,7 @@ from kxpu.model.backend import (
 from kxpu.model.device import (
     MAX_DEVICE_ID_LENGTH,
     MAX_NUMA_NODE,
+    SUB_DEVICE_SEPARATOR,
     Device,
     Health,
     InvalidDeviceError,
@@ -50,6 +51,7 @@ __all__ = [
     "GRANT_ANNOTATION",
     "MAX_DEVICE_ID_LENGTH",
     "MAX_NUMA_NODE",
+    "SUB_DEVICE_SEPARATOR",
     "AsyncAllocator",
     "Backend",
     "BackendError",

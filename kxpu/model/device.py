@@ -11,6 +11,9 @@ from enum import StrEnum
 MAX_DEVICE_ID_LENGTH = 63
 # The kubelet's topology manager keeps NUMA nodes in a 64-bit mask ("bit number must be in range 0-63").
 MAX_NUMA_NODE = 63
+# Between a device's ID and the number of one of its parts the device plugin hands out (a generic share, an
+# NVIDIA time-slicing replica, a sharing slot): the DRA driver splits on it to find the whole device.
+SUB_DEVICE_SEPARATOR = "::"
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 # A PCI address as vendors' tools print it: 4 (Linux) or 8 (NVML) hex digits of domain, any case.
 _PCI_ADDRESS = re.compile(r"^([0-9a-fA-F]{4}|[0-9a-fA-F]{8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")

@@ -45,6 +45,7 @@ from kxpu.backoff import Backoff
 from kxpu.logs import error_text, get_logger
 from kxpu.model import (
     GRANT_ANNOTATION,
+    SUB_DEVICE_SEPARATOR,
     Backend,
     BackendError,
     Closable,
@@ -67,7 +68,7 @@ from kxpu.timeouts import wait_event
 
 log = get_logger("kxpu.sharing.node")
 
-SLOT_SEPARATOR = "::"
+SLOT_SEPARATOR = SUB_DEVICE_SEPARATOR
 MIB = 1024 * 1024
 _STEERED_REUSE_S = 1.0  # how long GetPreferredAllocation's verified pod serves the Allocate after it
 

@@ -38,6 +38,7 @@ from kxpu.backends.registry import register_backend
 from kxpu.logs import get_logger
 from kxpu.model import (
     GRANT_ANNOTATION,
+    SUB_DEVICE_SEPARATOR,
     Backend,
     BackendError,
     ContainerEdits,
@@ -59,7 +60,7 @@ VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNTS_HOST_PATH = "/dev/null"
 VOLUME_MOUNTS_CONTAINER_ROOT = "/var/run/nvidia-container-devices"
 CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
-REPLICA_SEPARATOR = "::"
+REPLICA_SEPARATOR = SUB_DEVICE_SEPARATOR
 
 
 @dataclass(frozen=True, slots=True)
