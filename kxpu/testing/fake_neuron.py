@@ -32,10 +32,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_FILE, SEAM
+from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_DEVICES, LNC_FILE, SEAM
 from kxpu.testing.fake_host import FakeHost
 
 DEVICE_DIR = "/sys/devices/virtual/neuron_device"
+MONITOR_PATH = "/opt/aws/neuron/bin/neuron-monitor"  # where aws-neuronx-tools installs it
 FAKE_MAJOR = 240  # the driver's major is dynamic; 240-254 are for local use, so nothing answers here
 NEW_LAYOUT = {"core_count": "info/core_count", "connected_devices": "info/connected_devices"}  # stand-in
 
@@ -54,6 +55,17 @@ class NeuronProfile:
     lnc_file: int | None = None
     driver: bool = True
     pci_parents: bool = False  # each device's ``device`` link to its PCI function (half under each CPU)
+    tools: bool = False  # aws-neuronx-tools installed: a fake neuron-monitor at /opt/aws/neuron/bin
+
+    @property
+    def logical_core_config(self) -> int:
+        """As the backend derives it: the EKS node file, else 2 on Trainium2/3 and 1 elsewhere."""
+        return self.lnc_file or (2 if self.device_name in LNC_DEVICES else 1)
+
+    @property
+    def cores_per_device(self) -> int:
+        """Logical NeuronCores per device: what neuron-monitor numbers cores by."""
+        return self.physical_cores // self.logical_core_config
 
 
 def _base_profiles() -> list[NeuronProfile]:
@@ -76,6 +88,8 @@ def _profiles() -> dict[str, NeuronProfile]:
     out["trn1-32xl-pci"] = replace(
         out["trn1-32xl"], name="trn1-32xl-pci", layout="new", driver_version="2.31.0.0", pci_parents=True
     )
+    for base in ("trn1-32xl", "trn2-48xl"):
+        out[f"{base}-tools"] = replace(out[base], name=f"{base}-tools", tools=True)
     out["no-driver"] = replace(out["trn1-32xl"], name="no-driver", driver=False)
     return out
 
@@ -109,6 +123,12 @@ def neighbours(profile: NeuronProfile, index: int) -> list[int]:
     return []
 
 
+def attribute_path(profile: NeuronProfile, index: int, name: str) -> str:
+    """The host path of one of device ``index``'s attributes in ``profile``'s layout."""
+    rel = NEW_LAYOUT.get(name) if profile.layout == "new" else None
+    return f"{DEVICE_DIR}/neuron{index}/{rel or LEGACY_PATHS[name]}"  # type: ignore[index]
+
+
 # device_mem's categories (neuron_sysfs_metrics.c, device_mem_category_counter_nodes_info_tbl)
 MEMORY_CATEGORIES = (
     *("model_code", "tensors", "constants", "model_shared_scratchpad", "runtime_memory", "driver_memory"),
@@ -125,12 +145,13 @@ class FakeNeuron:
         self.root = self.fake.root
         if self.profile.driver:
             self.load_driver()
+        if self.profile.tools:
+            self.install_monitor()
 
     # ------------------------------------------------------------------ layout
     def attribute(self, index: int, name: str) -> str:
         """The host path of one of device ``index``'s attributes in this profile's layout."""
-        rel = NEW_LAYOUT.get(name) if self.profile.layout == "new" else None
-        return f"{DEVICE_DIR}/neuron{index}/{rel or LEGACY_PATHS[name]}"  # type: ignore[index]
+        return attribute_path(self.profile, index, name)
 
     def pci_address(self, index: int) -> str:
         """Device ``index``'s PCI function (``pci_parents`` profiles): half under each CPU's root complex."""
@@ -221,6 +242,75 @@ class FakeNeuron:
         self.fake.remove(f"/sys/class/neuron_device/neuron{index}")
         self.fake.remove(f"{DEVICE_DIR}/neuron{index}")
         self.fake.remove(f"/dev/neuron{index}")
+
+    # ------------------------------------------------------------------ neuron-monitor (fake_neuron_monitor)
+    def install_monitor(self) -> None:
+        """Install aws-neuronx-tools' neuron-monitor: a script at its real path that runs the fake monitor over
+        this tree (``kxpu.testing.fake_neuron_monitor``), whose applications ``run_app`` sets."""
+        from kxpu.testing import fake_neuron_monitor as monitor
+
+        monitor.write_state(self.root, monitor.initial_state(self.profile))
+        self.fake.write_file(
+            MONITOR_PATH,
+            f"#!{sys.executable}\nimport sys\nfrom kxpu.testing.fake_neuron_monitor import main\n"
+            f"sys.exit(main(sys.argv[1:], {str(self.root)!r}))\n",
+        )
+        self.fake.path(MONITOR_PATH).chmod(0o755)
+
+    def run_app(
+        self, pid: int, cores: dict[int, tuple[float, dict[str, int]]], tag: str | None = None
+    ) -> None:
+        """A Neuron application (process ``pid``) on ``cores``: logical NeuronCore index (numbered across devices,
+        as neuron-monitor does) → (utilization in percent, device memory by category). Its memory also shows in the
+        driver's per-core counters, as the runtime's allocations do."""
+        from kxpu.testing import fake_neuron_monitor as monitor
+
+        state = monitor.read_state(self.root) or monitor.initial_state(self.profile)
+        apps = [a for a in state["apps"] if a["pid"] != pid]
+        entry = {"utilization": 0.0, "memory": {}}
+        apps.append(
+            {
+                "pid": pid,
+                "tag": tag or str(pid),
+                "cores": {str(c): {**entry, "utilization": u, "memory": m} for c, (u, m) in cores.items()},
+            }
+        )
+        monitor.write_state(self.root, {**state, "apps": apps})
+        for core, (_, memory) in cores.items():
+            self.set_memory(*self._physical(core), memory)
+
+    def end_app(self, pid: int) -> None:
+        from kxpu.testing import fake_neuron_monitor as monitor
+
+        state = monitor.read_state(self.root) or monitor.initial_state(self.profile)
+        for app in state["apps"]:
+            if app["pid"] == pid:
+                for core in app["cores"]:
+                    self.set_memory(*self._physical(int(core)), {})
+        apps = [a for a in state["apps"] if a["pid"] != pid]
+        monitor.write_state(self.root, {**state, "apps": apps})
+
+    def set_ecc_corrected(self, index: int, kind: Literal["mem", "sram"], count: int) -> None:
+        """Corrected ECC events, which only neuron-monitor reports (the driver's sysfs counts uncorrected ones)."""
+        from kxpu.testing import fake_neuron_monitor as monitor
+
+        state = monitor.read_state(self.root) or monitor.initial_state(self.profile)
+        corrected = state["corrected"].setdefault(str(index), {})
+        corrected[kind] = count
+        monitor.write_state(self.root, state)
+
+    def monitor_fault(self, fault: Literal["exit", "garbage"] | None) -> None:
+        """Make the fake neuron-monitor misbehave from its next report on: exit with an error, or print lines that
+        are not JSON; None: report again."""
+        from kxpu.testing import fake_neuron_monitor as monitor
+
+        state = monitor.read_state(self.root) or monitor.initial_state(self.profile)
+        monitor.write_state(self.root, {**state, "fault": fault})
+
+    def _physical(self, core: int) -> tuple[int, int]:
+        """Logical NeuronCore ``core`` → (device index, first physical core's directory index)."""
+        per_device = self.profile.cores_per_device
+        return core // per_device, (core % per_device) * self.profile.logical_core_config
 
     def cleanup(self) -> None:
         self.fake.cleanup()

@@ -12,13 +12,21 @@ would reject.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from kxpu.backends.host import Host, HostBackendConfig, chosen_host, host_changes
+from kxpu.backends.neuron.monitor import (
+    MONITOR_PATH,
+    MonitorFigures,
+    NeuronMonitor,
+    NeuronMonitorConfig,
+    find_monitor,
+)
 from kxpu.backends.neuron.placement import compact, contiguous_run, is_contiguous
 from kxpu.backends.neuron.sysfs import (
     CLASS_DIR,
@@ -41,6 +49,7 @@ from kxpu.model import (
     Device,
     DeviceNode,
     Health,
+    ProcessUsage,
     TelemetrySample,
     numa_packed,
 )
@@ -90,6 +99,10 @@ class NeuronConfig(HostBackendConfig):
     sysfs_paths: dict[str, str] = Field(
         default_factory=dict, description="attribute → path under neuron<N>/, where the driver moved it"
     )
+    neuron_monitor: NeuronMonitorConfig = Field(
+        default_factory=NeuronMonitorConfig,
+        description="neuron-monitor as a telemetry source (NeuronCore utilization, per-process memory)",
+    )
 
     @field_validator("sysfs_paths")
     @classmethod
@@ -109,6 +122,25 @@ class NeuronConfig(HostBackendConfig):
         if self.unit == "device" and configured in CORE_NAMES:
             raise ValueError(f"{configured} counts NeuronCores; set unit: core")
         return configured
+
+
+def with_monitor(sample: TelemetrySample, figures: MonitorFigures, uuids: dict[int, str]) -> TelemetrySample:
+    """The sysfs sample with neuron-monitor's figures: device and per-core utilization, corrected ECC (the driver
+    counts uncorrectable errors only), and each application's memory and compute per device."""
+    devices = []
+    for usage in sample.devices:
+        index = usage.index if usage.index is not None else -1
+        ecc = {**figures.ecc.get(index, {}), **usage.ecc_errors}
+        cores = {f"neuroncore{core}": ratio for core, ratio in figures.cores(index).items()}
+        devices.append(
+            replace(usage, compute_utilization=figures.utilization(index), ecc_errors=ecc, engines=cores)
+        )
+    processes = tuple(
+        ProcessUsage(uuids[device], pid, memory, compute)
+        for device, pid, memory, compute in figures.processes
+        if device in uuids
+    )
+    return TelemetrySample(tuple(devices), sample.processes + processes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +167,15 @@ class NeuronBackend(Backend):
         self._block = 1
         self._sample_errors: set[str] = set()
         self._layout: Layout = {}  # each device's cores and memory categories, listed once per discovery
+        self._monitor: NeuronMonitor | None = None  # started by the first sample(): telemetry is on
+        self._monitor_lock = threading.Lock()
+        self._monitor_state: str = "unchecked"  # unchecked, running, absent, closed
 
     # ------------------------------------------------------------------ telemetry
     def sample(self) -> TelemetrySample:
         """The driver's sysfs counters for the devices of the last discovery (``telemetry.py``), one per physical
-        device in either unit; an unreadable device costs its figures and one log line."""
+        device in either unit; an unreadable device costs its figures and one log line. Where neuron-monitor runs
+        (``monitor.py``), its last report adds NeuronCore utilization, each process's memory and corrected ECC."""
         host = self._snapshot
         devices = [(d.serial or f"neuron{d.index}", d) for d in (host.devices if host else ())]
         errors: list[str] = []
@@ -148,7 +184,38 @@ class NeuronBackend(Backend):
             if error not in self._sample_errors:
                 self._sample_errors.add(error)
                 log.warning("telemetry: a Neuron device's counters cannot be read", error=error)
-        return sample
+        monitor = self._running_monitor()
+        figures = monitor.latest() if monitor is not None else None
+        if figures is None:
+            return sample
+        return with_monitor(sample, figures, {d.index: uuid for uuid, d in devices})
+
+    def _running_monitor(self) -> NeuronMonitor | None:
+        """The neuron-monitor child, started at the first sample (so only with telemetry on)."""
+        with self._monitor_lock:
+            if self._monitor_state == "unchecked":
+                settings = self.config.neuron_monitor
+                binary = find_monitor(settings, self.host.path)
+                if binary is None:
+                    self._monitor_state = "absent"
+                    if settings.enabled is True:
+                        log.warning(
+                            "telemetry: neuronMonitor.enabled is true but neuron-monitor is not installed "
+                            f"(not at <hostRoot>{MONITOR_PATH} nor on PATH); set neuronMonitor.path. NeuronCore "
+                            "utilization and per-process memory are absent"
+                        )
+                else:
+                    self._monitor = NeuronMonitor(binary, settings.period_seconds, lambda: self._block)
+                    self._monitor.start()
+                    self._monitor_state = "running"
+            return self._monitor
+
+    def close(self) -> None:
+        """Stop neuron-monitor, if this backend started it."""
+        with self._monitor_lock:
+            monitor, self._monitor, self._monitor_state = self._monitor, None, "closed"
+        if monitor is not None:
+            monitor.close()
 
     # ------------------------------------------------------------------ discovery
     def _logical_core_config(self, devices: Sequence[NeuronDevice]) -> int:
