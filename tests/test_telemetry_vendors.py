@@ -1,10 +1,11 @@
-"""Per-share truth for every vendor that reports per-process memory: the real ``amd``, ``ascend`` and ``cambricon``
-backends over their fakes as the daemon's telemetry sources, two containers sharing one device (each with the grant
+"""Per-share truth for every vendor that reports per-process memory: the real ``amd``, ``ascend``, ``cambricon`` and
+``neuron`` (through neuron-monitor) backends over their fakes as the daemon's telemetry sources, two containers sharing one device (each with the grant
 the sharing extender wrote into its Allocate response, kept in the kubelet's checkpoint), processes tied to them
 through /proc/<pid>/cgroup: each container's use against its grant, the over-grant signal, and the vendor label."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from kxpu.backends.ascend import AscendBackend, AscendConfig
 from kxpu.backends.ascend.dcmi import DcmiSource
 from kxpu.backends.cambricon import CambriconBackend, CambriconConfig
 from kxpu.backends.host import Host
+from kxpu.backends.neuron import NeuronBackend, NeuronConfig
 from kxpu.config import parse_config
 from kxpu.daemon import telemetry_metrics
 from kxpu.daemon.telemetry import SourceView, TelemetrySampler
@@ -25,6 +27,7 @@ from kxpu.testing import KubeletStandIn
 from kxpu.testing.fake_amd import FakeAmd
 from kxpu.testing.fake_cambricon import FakeCambricon
 from kxpu.testing.fake_dcmi import FakeDcmi
+from kxpu.testing.fake_neuron import FakeNeuron
 from tests.test_telemetry import checkpoint
 
 GIB = 1024**3
@@ -71,7 +74,29 @@ def cambricon(tmp: Path) -> Vendor:
     return Vendor("cambricon.com/mlu", backend, run, fake.cleanup)
 
 
-VENDORS: dict[str, Callable[[Path], Vendor]] = {"amd": amd, "ascend": ascend, "cambricon": cambricon}
+def neuron(tmp: Path) -> Vendor:
+    """Per-process memory from neuron-monitor (the fake one, a real child process), each process on its own core."""
+    fake = FakeNeuron("trn1-32xl-tools")
+    config = NeuronConfig.model_validate({"hostRoot": str(fake.root), "neuronMonitor": {"periodSeconds": 1}})
+    backend = NeuronBackend(config)
+
+    def run(processes: list[tuple[int, int]]) -> None:
+        for core, (pid, used) in enumerate(processes):
+            fake.run_app(pid, {core: (25.0, {"tensors": used})})
+        deadline = time.monotonic() + 20
+        while {p.pid for p in backend.sample().processes} != {pid for pid, _ in processes}:
+            assert time.monotonic() < deadline, "neuron-monitor did not report the processes"
+            time.sleep(0.05)
+
+    return Vendor("aws.amazon.com/neuron", backend, run, fake.cleanup)
+
+
+VENDORS: dict[str, Callable[[Path], Vendor]] = {
+    "amd": amd,
+    "ascend": ascend,
+    "cambricon": cambricon,
+    "neuron": neuron,
+}
 
 
 @pytest.fixture(params=sorted(VENDORS))
