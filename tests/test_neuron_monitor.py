@@ -5,8 +5,10 @@ dies or prints garbage costs one log line, never the sysfs figures, and is resta
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +17,9 @@ from structlog.testing import capture_logs
 from kxpu.backends.neuron import NeuronBackend, NeuronConfig, monitor
 from kxpu.backends.neuron.monitor import ReportError, monitor_config, read_report
 from kxpu.model import DeviceUsage, TelemetrySample
-from kxpu.testing import fake_neuron_monitor
+from kxpu.testing import KubeletStandIn, fake_neuron_monitor
 from kxpu.testing.fake_neuron import FakeNeuron
+from tests.test_daemon_observability import metric
 from tests.waiting import wait_until
 
 GIB = 1024**3
@@ -243,3 +246,45 @@ def test_an_application_the_monitor_cannot_read_makes_utilization_unknown_not_ze
     assert figures.processes == ((1, 9, 5, None),)
     unreadable = {"neuron_runtime_data": [{"pid": 0, "error": "failed to connect", "report": None}]}
     assert read_report(unreadable, 2).utilization(0) is None
+
+
+async def test_the_daemon_exports_the_monitors_figures_and_stops_it_with_the_resource(
+    kubelet: KubeletStandIn, write_config: Callable[..., Path], daemons: Callable[..., Any], workdir: Path
+) -> None:
+    """A daemon process over the fake tree (``--import kxpu.testing.fake_neuron``): /metrics carries NeuronCore
+    utilization and the driver's power share with the neuron vendor label; on SIGTERM the monitor child goes too."""
+    fake = FakeNeuron("trn1-32xl-tools")
+    try:
+        fake.run_app(4242, {6: (50.0, {"tensors": GIB}), 7: (100.0, {})})
+        fake.set_power(3, 61.0)
+        resource = {"name": "aws.amazon.com/neuron", "neuron": {"neuronMonitor": {"periodSeconds": 1}}}
+        config = write_config(
+            [resource],
+            telemetry={"enabled": True, "intervalSeconds": 1, "hostRoot": str(workdir)},
+            podResourcesSocket=str(workdir / "no-pod-resources.sock"),
+        )
+        daemon = await daemons(config, env={"KXPU_FAKE_NEURON": str(fake.root)})
+        await kubelet.wait_registered("aws.amazon.com/neuron")
+        uuid = fake.serial(3)
+        labels = {"resource": "aws.amazon.com/neuron", "device": uuid, "uuid": uuid, "vendor": "neuron"}
+        text = ""
+
+        async def exported() -> bool:
+            nonlocal text
+            text = (await daemon.http_get("/metrics"))[1]
+            return metric(text, "kxpu_device_compute_utilization_ratio", **labels) is not None
+
+        deadline = asyncio.get_running_loop().time() + 30
+        while not await exported():
+            assert asyncio.get_running_loop().time() < deadline, daemon.log_text()[-3000:]
+            await asyncio.sleep(0.1)
+        assert metric(text, "kxpu_device_compute_utilization_ratio", **labels) == 0.75
+        assert metric(text, "kxpu_device_engine_utilization_ratio", **labels, engine="neuroncore7") == 1.0
+        assert metric(text, "kxpu_device_power_utilization_ratio", **labels) == 0.61
+        assert metric(text, "kxpu_device_processes", **labels) == 1
+        (child,) = fake_neuron_monitor.starts(fake.root)
+        assert await daemon.stop() == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        fake.cleanup()

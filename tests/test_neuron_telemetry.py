@@ -105,3 +105,27 @@ def test_a_sample_reads_counters_only_and_discovery_lists_again(
     listed.clear()
     neuron.sample()
     assert listed, "a new discovery lists the layout again"
+
+
+def test_power_as_a_share_of_the_maximum_from_the_drivers_minute_stats(
+    machines: Callable[[str], FakeNeuron],
+) -> None:
+    """``stats/power/utilization``: only a valid minute carries figures (the first minute after the driver loads
+    reads "no data"); the average is taken, as a ratio; there are no watts."""
+    fake = machines("trn1-32xl")
+    fake.set_power(3, 42.5, low=10.0, high=80.25)
+    fake.set_power(4, 0.0, status="INVALID")
+    fake.set_memory(5, 0, {"tensors": GIB})
+    fake.fake.set_attribute(f"{DEVICE_DIR}/neuron5/stats/power/utilization", "42")
+    neuron = backend(fake)
+    neuron.discover()
+    with capture_logs() as logs:
+        neuron.sample()
+        usage = {u.index: u for u in neuron.sample().devices}
+    assert usage[3].power_utilization == pytest.approx(0.425) and usage[3].power_watts is None
+    assert usage[0].power_utilization is None  # POWER_STATUS_NO_DATA
+    assert usage[4].power_utilization is None  # POWER_STATUS_INVALID
+    # A line of another shape costs the power figure and one log line, not the device's memory.
+    assert usage[5].power_utilization is None and usage[5].memory_used_bytes == GIB
+    warned = [e for e in logs if e["event"] == "telemetry: a Neuron device's counters cannot be read"]
+    assert len(warned) == 1 and "stats/power/utilization: expected" in warned[0]["error"]

@@ -61,6 +61,11 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
     "kxpu_device_memory_used_bytes": ("Device memory in use", "gauge", DEVICE),
     "kxpu_device_memory_total_bytes": ("Device memory in total", "gauge", DEVICE),
     "kxpu_device_power_watts": ("Power draw", "gauge", DEVICE),
+    "kxpu_device_power_utilization_ratio": (
+        "Power draw as a share of the device's maximum, where the driver reports no watts (Neuron)",
+        "gauge",
+        DEVICE,
+    ),
     "kxpu_device_temperature_celsius": ("Temperature", "gauge", DEVICE),
     "kxpu_device_clock_hertz": ("Current clock frequency", "gauge", [*DEVICE, "clock"]),
     "kxpu_device_ecc_errors": ("ECC errors since the driver loaded", "counter", [*DEVICE, "type"]),
@@ -180,6 +185,7 @@ class TelemetryCollector(Collector):
                 ("kxpu_device_memory_used_bytes", d.memory_used_bytes),
                 ("kxpu_device_memory_total_bytes", d.memory_total_bytes),
                 ("kxpu_device_power_watts", d.power_watts),
+                ("kxpu_device_power_utilization_ratio", d.power_utilization),
                 ("kxpu_device_temperature_celsius", d.temperature_celsius),
             ):
                 if value is not None:

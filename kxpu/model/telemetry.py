@@ -62,6 +62,9 @@ class DeviceUsage:
     )  # {"tx": .., "rx": ..} since the driver loaded
     # profiling counters, 0..1 over the last period: sm_active, tensor_active, …
     profiling: Mapping[str, float] = field(default_factory=dict)
+    # power draw as a share of the device's maximum, 0..1, where the driver gives no watts (Neuron: the average over
+    # the driver's last minute, idle baseline backed out)
+    power_utilization: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import atexit
 import hashlib
 import os
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -201,6 +202,8 @@ class FakeNeuron:
         self.fake.write_attribute(f"{base}/info/notify_delay", -1)
         self.fake.write_attribute(f"{base}/power/control", "auto")
         self.fake.write_attribute(f"{base}/stats/hardware/mem_ecc_repairable_uncorrected", 0)
+        # the driver's power stats read "no data" until its first minute of samples (neuron_power.c)
+        self.fake.write_attribute(f"{base}/stats/power/utilization", "POWER_STATUS_NO_DATA,0,0.00,0.00,0.00")
         self.fake.symlink(f"{base}/subsystem", "../../../../class/neuron_device")
         if p.pci_parents:
             bdf, root = self.pci_address(index), f"pci0000:{index * 2 // p.count * 0x80:02x}"
@@ -232,6 +235,22 @@ class FakeNeuron:
                 self.fake.write_attribute(f"{base}/{category}/{name}", value)
         for name in ("present", "total", "peak"):
             self.fake.write_attribute(f"{base}/{name}", sum(present.values()))
+
+    def set_power(
+        self,
+        index: int,
+        average: float,
+        low: float | None = None,
+        high: float | None = None,
+        status: str = "VALID",
+    ) -> None:
+        """The last minute's power as a percentage of the device's maximum, as ``stats/power/utilization`` shows
+        it: ``POWER_STATUS_<status>,<unix time>,<min>,<max>,<avg>`` with two decimals."""
+        low, high = average if low is None else low, average if high is None else high
+        self.fake.set_attribute(
+            f"{DEVICE_DIR}/neuron{index}/stats/power/utilization",
+            f"POWER_STATUS_{status},{int(time.time())},{low:.2f},{high:.2f},{average:.2f}",
+        )
 
     def set_state(self, index: int, state: int) -> None:
         """The device state ``reset`` reads back: 0 resetting, 1 ready, 2 invalid."""
