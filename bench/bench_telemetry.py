@@ -152,6 +152,12 @@ DAEMONS: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
     "ascend": ("huawei.com/Ascend910", {"ascend": {}}, {"KXPU_FAKE_DCMI": "910b-8x"}),
     "gaudi": ("habana.ai/gaudi", {"gaudi": {}}, {"KXPU_FAKE_HLML": "gaudi2-8x"}),
     "neuron": ("aws.amazon.com/neuron", {"neuron": {}}, {"KXPU_FAKE_NEURON": "trn1-32xl"}),
+    # with aws-neuronx-tools: neuron-monitor (the fake one, a child of the daemon) adds utilization and processes
+    "neuron-monitor": (
+        "aws.amazon.com/neuron",
+        {"neuron": {"neuronMonitor": {"periodSeconds": 1}}},
+        {"KXPU_FAKE_NEURON": "trn1-32xl-tools"},
+    ),
     "cambricon": ("cambricon.com/mlu", {"cambricon": {}}, {"KXPU_FAKE_CAMBRICON": "mlu370-x8-4x"}),
 }
 
@@ -207,6 +213,14 @@ def vendor_backends(processes: int) -> dict[str, tuple[Any, Any]]:
         NeuronBackend(NeuronConfig.model_validate({"hostRoot": str(neuron.root)})),
         neuron.cleanup,
     )
+    tools = FakeNeuron("trn1-32xl-tools")  # one application per NeuronCore (two per device)
+    per_device = tools.profile.cores_per_device
+    for core in range(tools.profile.count * per_device):
+        tools.run_app(600000 + core, {core: (50.0, {"tensors": 1 << 30})})
+    monitored = NeuronBackend(
+        NeuronConfig.model_validate({"hostRoot": str(tools.root), "neuronMonitor": {"periodSeconds": 1}})
+    )
+    out["neuron-monitor"] = (monitored, lambda: _both(monitored.close, tools.cleanup))
     mlu = FakeCambricon("mlu370-x8-4x")
     for index in range(4):
         mlu.set_usage(index, processes=[(500000 + index * 100 + n, 1 << 20) for n in range(processes)])
@@ -222,12 +236,19 @@ def _both(first: Any, second: Any) -> None:
     second()
 
 
-def sample_costs(processes: int, samples: int) -> dict[str, dict[str, float]]:
+def sample_costs(processes: int, samples: int, only: set[str] | None = None) -> dict[str, dict[str, float]]:
     figures: dict[str, dict[str, float]] = {}
     for name, (backend, cleanup) in vendor_backends(processes).items():
+        if only and name not in only:
+            cleanup()
+            continue
         try:
             backend.discover()
             first = backend.sample()  # warm: the first sample may open files, build caches
+            deadline = time.monotonic() + 30
+            while name == "neuron-monitor" and not first.processes and time.monotonic() < deadline:
+                time.sleep(0.05)  # its first report (the child's start)
+                first = backend.sample()
             devices = max(1, len(first.devices))
             started = time.process_time()
             for _ in range(samples):
@@ -271,7 +292,8 @@ async def daemon_rss(name: str, seconds: float, telemetry: bool = True) -> float
 
 
 def backends_main(args: argparse.Namespace) -> int:
-    costs = sample_costs(args.processes, args.samples)
+    only = set(args.only.split(",")) if args.only else None
+    costs = sample_costs(args.processes, args.samples, only)
     results: dict[str, float] = {}
     for name, figures in costs.items():
         what = f"{name} ({figures['devices']:.0f} devices, {figures['processes']:.0f} processes)"
@@ -304,6 +326,7 @@ def main() -> int:
     parser.add_argument(
         "--rss-seconds", type=float, default=5.0, help="--backends: daemon run before its RSS"
     )
+    parser.add_argument("--only", help="--backends: these backends only (comma-separated names)")
     args = parser.parse_args()
     if args.backends:
         return backends_main(args)
