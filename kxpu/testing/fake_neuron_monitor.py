@@ -208,7 +208,9 @@ def main(argv: list[str], root: str) -> int:
         if state is None or not (tree / "sys").is_dir():
             return 0  # the fake machine is gone
         if state.get("fault") == "exit":
-            print("neuron-monitor: failed to open the Neuron driver", file=sys.stderr)
+            print(
+                f"neuron-monitor[{os.getpid()}]: failed to open the Neuron driver", file=sys.stderr
+            )  # varies
             return 1
         if state.get("fault") == "garbage":
             line = "neuron-monitor: collecting"

@@ -235,7 +235,7 @@ class NeuronMonitor:
         self._process: subprocess.Popen[bytes] | None = None
         self._thread: threading.Thread | None = None
         self._dir: str | None = None
-        self._reported: str | None = None  # the problem last logged, until a report arrives again
+        self._reported: str | None = None  # the kind of problem last logged, until a report arrives again
         self._reporting = False
 
     def start(self) -> None:
@@ -277,8 +277,9 @@ class NeuronMonitor:
             if self._stop.is_set():
                 return
             delay = backoff.next_delay()
-            if problem != self._reported:
-                self._reported, self._reporting = problem, False
+            kind = problem.split(":", 1)[0].split(" with code")[0]  # its message may vary from run to run
+            if kind != self._reported:
+                self._reported, self._reporting = kind, False
                 log.warning(
                     "telemetry: neuron-monitor is not reporting; NeuronCore utilization and per-process memory "
                     "are absent until it does (the driver's sysfs figures are unaffected)",
