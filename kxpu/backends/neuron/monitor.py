@@ -307,6 +307,8 @@ class NeuronMonitor:
                 return f"cannot be started: {exc.strerror or exc}"
         with self._lock:
             self._process = process
+        if self._stop.is_set():  # closed while it was starting: close() did not see this child
+            process.terminate()
         try:
             problem = self._read(process.stdout, backoff)  # type: ignore[arg-type]
         finally:
