@@ -19,7 +19,7 @@ from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.daemon import socket_name
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.kubelet import sockets_in
-from tests.waiting import wait_until
+from tests.waiting import wait_ready, wait_until
 
 NPU = "example.com/npu"
 FPGA = "example.com/fpga"
@@ -345,7 +345,7 @@ async def test_a_second_daemon_stands_by_and_takes_over(
     await kubelet.wait_registered(NPU, times=2, timeout=5)
     await wait_until(lambda: socket_name(NPU) in sockets_in(plugin_dir), what="the socket served again")
     assert (await kubelet.allocate(NPU, ["sim-npu-2"])).container_responses
-    assert (await second.http_get("/readyz"))[0] == 200
+    await wait_ready(second)
     # The old daemon ended its ListAndWatch stream at once (not after its server's grace period, with the socket
     # already refusing the kubelet's calls), and the new one's device list followed within a moment: the
     # kubelet's gap between the two plugins is the hand-over, nothing more.

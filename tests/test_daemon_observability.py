@@ -17,7 +17,7 @@ import pytest
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.process import DaemonProcess
 from tests.test_daemon import NPU, simulated
-from tests.waiting import wait_until
+from tests.waiting import wait_ready, wait_until
 
 ROOT = Path(__file__).parent.parent
 # the simulated backend's UUIDs for sim-npu-0 .. sim-npu-3 (derived from the IDs)
@@ -55,8 +55,7 @@ async def test_readyz_follows_registration_and_metrics_follow_devices(
     await kubelet.start()
     try:
         await kubelet.wait_registered(NPU)
-        status, body = await daemon.http_get("/readyz")
-        assert status == 200 and json.loads(body) == {"ready": True, "resources": {NPU: "registered"}}
+        assert await wait_ready(daemon) == {"ready": True, "resources": {NPU: "registered"}}
 
         state.write_text(json.dumps({"sim-npu-3": "Unhealthy"}))
         await kubelet.wait_devices(NPU, lambda d: d["sim-npu-3"] == "Unhealthy")

@@ -24,7 +24,7 @@ from kxpu.daemon.daemon import Daemon
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.process import DaemonProcess
 from tests.test_daemon import simulated
-from tests.waiting import wait_until
+from tests.waiting import wait_ready, wait_until
 
 
 async def test_an_unwritable_device_plugin_directory_is_one_line_with_its_cause(
@@ -143,8 +143,7 @@ async def test_a_glob_matching_nothing_is_warned_once_and_shown_in_status(
     await kubelet.start()
     try:
         await kubelet.wait_registered("example.com/fpga")
-        status, _ = await daemon.http_get("/readyz")
-        assert status == 200
+        assert (await wait_ready(daemon))["resources"] == {"example.com/fpga": "registered"}
         doc = json.loads((await daemon.http_get("/status"))[1])
         assert doc["resources"]["example.com/fpga"]["warnings"] == [f"device glob {typo} matches nothing"]
         shown = await asyncio.to_thread(

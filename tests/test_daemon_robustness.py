@@ -26,7 +26,7 @@ from kxpu.testing import KubeletStandIn
 from kxpu.testing.kubelet import sockets_in
 from kxpu.testing.process import DaemonProcess
 from tests.test_daemon import FPGA, NPU, simulated
-from tests.waiting import wait_until
+from tests.waiting import wait_ready, wait_until
 
 ROOT = Path(__file__).parent.parent
 BROKEN = "example.com/broken"
@@ -163,7 +163,7 @@ async def test_a_non_socket_at_the_socket_path_is_named_and_served_at_once_when_
     removed = asyncio.get_running_loop().time()
     await kubelet.wait_registered(NPU, timeout=5)
     assert asyncio.get_running_loop().time() - removed < 1.0, "the directory watch sees the removal at once"
-    assert (await _readyz(daemon))[0] == 200
+    await wait_ready(daemon)
     errors = [ln for ln in daemon.log_text().splitlines() if "level=error" in ln]
     assert len(errors) == 1 and "not a socket" in errors[0] and "remove it" in errors[0], errors
     assert_one_line_errors(daemon.log_text())
@@ -232,12 +232,7 @@ async def test_readyz_waits_until_the_kubelet_takes_the_device_list(
     kubelet.open_list_and_watch = True
     await kubelet.restart()
     await kubelet.wait_registered(NPU, times=2)
-    # The daemon counts the list as taken once its send returned, a moment after the kubelet has it.
-    deadline = asyncio.get_running_loop().time() + 10
-    while (answer := await _readyz(daemon))[0] != 200:
-        assert asyncio.get_running_loop().time() < deadline, answer
-        await asyncio.sleep(0.05)
-    assert answer[1]["resources"] == {NPU: "registered"}
+    assert (await wait_ready(daemon))["resources"] == {NPU: "registered"}
 
 
 async def test_a_device_the_kubelet_cannot_take_fails_the_resource_loudly(

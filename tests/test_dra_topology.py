@@ -23,6 +23,7 @@ from kxpu.backends.gaudi import GaudiBackend, GaudiConfig
 from kxpu.backends.gaudi.hlml import HlmlSource
 from kxpu.backends.generic import GenericBackend, GenericConfig
 from kxpu.backends.host import Host
+from kxpu.backends.links import link_groups
 from kxpu.backends.neuron import NeuronBackend, NeuronConfig
 from kxpu.backends.pci import PcieRootError, PlacementReader, read_pcie_root
 from kxpu.config import parse_config
@@ -135,6 +136,14 @@ def amd_machines() -> Iterator[Callable[[str], FakeAmd]]:
 
 def attrs_by_id(devices: list[Device]) -> dict[str, dict[str, Any]]:
     return {d.id: device_attributes(d) for d in devices}
+
+
+def test_link_groups_are_transitive_and_named_by_the_first_member() -> None:
+    """The grouping every vendor shares: the order given picks the name, a lone member is in none, and a
+    link to itself or to a non-member (a switch, a device not served) joins nothing."""
+    ordered = ["c", "a", "b", "d", "e"]
+    groups = link_groups(ordered, iter([("a", "b"), ("b", "c"), ("d", "d"), ("e", "switch")]))
+    assert groups == {"a": "c", "b": "c", "c": "c"}
 
 
 def test_amd_xgmi_hives_are_link_domains(amd_machines: Callable[[str], FakeAmd]) -> None:

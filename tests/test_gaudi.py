@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from structlog.testing import capture_logs
 
 from kxpu.backends.gaudi import GaudiBackend, GaudiConfig
 from kxpu.backends.gaudi.hlml import HlmlSource
@@ -183,6 +184,29 @@ async def test_a_failing_event_wait_marks_every_device(
     sick = await next_list(updates, lambda ds: not any(d.healthy for d in ds))
     assert set(reasons(sick).values()) == {"hlml-event-wait-failed"}
     await updates.aclose()
+
+
+async def test_a_crashed_health_thread_is_one_line_and_every_device_unhealthy(
+    machine: Callable[[str], FakeHlml], backends: Callable[..., GaudiBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = machine("gaudi2-8x")
+    with capture_logs() as logs:
+        updates = backends(fake, **FAST).watch()
+        await anext(updates)
+
+        def broken(st: Any, timeout: int) -> Any:
+            raise RuntimeError("a bug in the event loop")
+
+        monkeypatch.setattr(fake, "hlmlEventSetWait", broken)
+        sick = await next_list(updates, lambda ds: not any(d.healthy for d in ds))
+        await updates.aclose()
+    assert set(reasons(sick).values()) == {"health-thread-crashed"}
+    crashed = [
+        e for e in logs if e["log_level"] != "debug" and e["event"].startswith("health thread crashed")
+    ]
+    assert len(crashed) == 1 and crashed[0]["log_level"] == "error", crashed
+    assert crashed[0]["error"] == "RuntimeError: a bug in the event loop"
+    assert "exc_info" not in crashed[0], "the operator's log gets one line, not a traceback"
 
 
 # ---------------------------------------------------------------------------------------- allocation

@@ -214,6 +214,30 @@ def test_pods_whose_limits_could_not_hold_are_denied() -> None:
             convert(bad, "default", FAMILIES, ["CUDA_DEVICE_MEMORY_LIMIT*"])
 
 
+def test_a_container_that_could_name_the_claim_may_not_set_the_drivers_env() -> None:
+    """Any container of the pod, init containers too, may list the pod's claim (its name is predictable) in
+    resources.claims and so get the shared device without asking for it in limits: setting the env the driver
+    sets from the claim would lift its limits there. The webhook's own check denies the same pods."""
+    protected = ["CUDA_DEVICE_MEMORY_LIMIT*"]
+    env = [{"name": "CUDA_DEVICE_MEMORY_LIMIT_0", "value": "80g"}]
+    init = pod("p", [{"nvidia.com/gpumem": 10}])
+    init["spec"]["initContainers"] = [
+        {"name": "i", "env": env, "resources": {"claims": [{"name": "kxpu-gpu-0"}]}}
+    ]
+    sidecar = pod("p", [{"nvidia.com/gpumem": 10}, {"cpu": 1}])
+    sidecar["spec"]["containers"][1]["env"] = env
+    for bad, who in ((init, "'i'"), (sidecar, repr(sidecar["spec"]["containers"][1]["name"]))):
+        with pytest.raises(
+            RequestError, match=f"container {who} sets CUDA_DEVICE_MEMORY_LIMIT_0, which kxpu's DRA"
+        ):
+            convert(bad, "default", FAMILIES, protected)
+        denied = webhook.validate(request(bad), [f.family for f in FAMILIES], [], protected_env=protected)
+        assert denied is not None and f"container {who} sets CUDA_DEVICE_MEMORY_LIMIT_0" in denied
+    plain = pod("p", [{"nvidia.com/gpumem": 10}])
+    plain["spec"]["initContainers"] = [{"name": "i", "env": [{"name": "OTHER", "value": "1"}]}]
+    assert convert(plain, "default", FAMILIES, protected).templates  # other env is fine
+
+
 def test_the_config_names_the_class_and_driver_and_refuses_bad_ones() -> None:
     config = ControlPlaneConfig.model_validate(
         {

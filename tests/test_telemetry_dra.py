@@ -322,7 +322,7 @@ async def test_a_container_that_starts_after_its_allocation_is_recorded_is_found
 
 def test_a_claim_shared_by_two_pods_is_settled_by_elimination() -> None:
     """One ResourceClaim used by two pods: its reservedFor gives both pod UIDs, PodResources both names; a pod known from the device plugin (or its other claim) leaves the other UID to the other pod."""
-    from kxpu.daemon.holders import ClaimPlacement, DraClaims, build_dra_holders
+    from kxpu.daemon.holders import ClaimPlacement, DraClaims, build_dra_holders, placed_claims
     from kxpu.dra.checkpoint import PreparedClaim, PreparedDevice
 
     claim = PreparedClaim("ml", "shared", None, (PreparedDevice(("npu",), NODE, "npu-0", "npu-0", ()),))
@@ -343,6 +343,14 @@ def test_a_claim_shared_by_two_pods_is_settled_by_elimination() -> None:
     # Another driver's claim of the same name, or a device of another pool, holds nothing of this resource.
     other = [ClaimPlacement("ml", "x", "main", "ml", "shared", "gpu.other.com", NODE, "npu-0")]
     assert build_dra_holders([source], other, {}) == []
+    # Its sources may be read only once (generators): each is.
+    once = build_dra_holders(
+        iter([source]), iter(placements), {"c-uid": frozenset({"u1", "u2"})}, {("ml", "first"): "u1"}
+    )
+    assert once == settled
+    assert placed_claims(iter([source]), iter(placements)) == {
+        "c-uid": frozenset({("ml", "first"), ("ml", "second")})
+    }
 
 
 def test_partitions_made_for_claims_are_held_under_their_own_uuid() -> None:

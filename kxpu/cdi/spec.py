@@ -166,3 +166,18 @@ def write_spec(spec_dir: Path, spec: Spec) -> Path:
     path = spec_dir / spec_file_name(spec["kind"])
     write_atomically(path, json.dumps(spec, indent=2) + "\n")
     return path
+
+
+class InvalidSpec(ValueError):
+    """The spec breaks the CDI rules (the message names each way, ``; ``-joined): nothing was written."""
+
+
+def write_device_spec(path: Path, kind: str, devices: Sequence[tuple[str, ContainerEdits]]) -> None:
+    """Build the spec of ``devices``, check it and write it atomically at ``path`` (a DRA claim's own file):
+    InvalidSpec before writing a spec a runtime would refuse, OSError when it cannot be written.
+    Compact: json's C encoder serves only calls without indent (the indenting one is pure Python)."""
+    spec = build_spec(kind, devices)
+    errors = validate_spec(spec)
+    if errors:
+        raise InvalidSpec("; ".join(errors))
+    write_atomically(path, json.dumps(spec, separators=(",", ":")) + "\n")

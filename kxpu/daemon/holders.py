@@ -369,12 +369,19 @@ def placed_claims(
     sources: Iterable[DraClaims], placements: Iterable[ClaimPlacement]
 ) -> dict[str, frozenset[tuple[str, str]]]:
     """Prepared claim UID → the pods (namespace, name) PodResources says use it now."""
-    by_ref = _by_ref(sources)
+    return {uid: frozenset(pods) for uid, pods in _pods_by_claim(_by_ref(sources), placements).items()}
+
+
+def _pods_by_claim(
+    by_ref: Mapping[tuple[str, str, str], tuple[DraClaims, str, PreparedClaim]],
+    placements: Iterable[ClaimPlacement],
+) -> dict[str, set[tuple[str, str]]]:
+    """Prepared claim UID → the pods (namespace, name) placed on it; reads ``placements`` once."""
     names: dict[str, set[tuple[str, str]]] = {}
     for p in placements:
         if (found := by_ref.get((p.driver, p.claim_namespace, p.claim))) is not None:
             names.setdefault(found[1], set()).add((p.namespace, p.pod))
-    return {uid: frozenset(pods) for uid, pods in names.items()}
+    return names
 
 
 def build_dra_holders(
@@ -391,11 +398,7 @@ def build_dra_holders(
     placements = [p for p in placements if (p.driver, p.claim_namespace, p.claim) in by_ref]
     # Pod UIDs: reservedFor names a claim's pods by UID, PodResources by name.
     uid_of: dict[tuple[str, str], str] = dict(known_pods or {})
-    names_of: dict[str, set[tuple[str, str]]] = {}  # claim UID → pods using it, by name
-    for p in placements:
-        names_of.setdefault(by_ref[(p.driver, p.claim_namespace, p.claim)][1], set()).add(
-            (p.namespace, p.pod)
-        )
+    names_of = _pods_by_claim(by_ref, placements)  # claim UID → pods using it, by name
     for _ in range(2):  # a pod told apart on one claim may settle another it shares
         for claim_uid, names in names_of.items():
             uids = set(claim_pods.get(claim_uid, ()))

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kxpu.atomicfile import write_atomically
-from kxpu.cdi.spec import build_spec, qualified_name, validate_spec
+from kxpu.cdi.spec import InvalidSpec, qualified_name, write_device_spec
 from kxpu.dra.names import is_dns_label, parent_request
 from kxpu.model import ContainerEdits, Mount
 
@@ -138,11 +138,12 @@ class MetadataWriter:
             write_atomically(host, document(namespace, name, uid, pod_claim, request, self.driver, members))
             cdi_name = f"{uid}_{base}"
             mount = Mount(container_path(self.driver, name, pod_claim, base), str(host), read_only=True)
-            spec = build_spec(self.kind, [(cdi_name, ContainerEdits(mounts=[mount]))])
-            errors = validate_spec(spec)
-            if errors:
-                raise OSError(f"the metadata mount makes an invalid CDI spec: {'; '.join(errors)}")
-            write_atomically(self.spec_path(uid, base), json.dumps(spec) + "\n")  # compact: the C encoder
+            try:
+                write_device_spec(
+                    self.spec_path(uid, base), self.kind, [(cdi_name, ContainerEdits(mounts=[mount]))]
+                )
+            except InvalidSpec as exc:
+                raise OSError(f"the metadata mount makes an invalid CDI spec: {exc}") from None
             ids[base] = qualified_name(self.kind, cdi_name)
         return ids
 

@@ -44,8 +44,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from kxpu.atomicfile import write_atomically
-from kxpu.cdi.spec import build_spec, qualified_name, validate_spec
+from kxpu.cdi.spec import InvalidSpec, qualified_name, write_device_spec
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import (
     Checkpoint,
@@ -863,13 +862,11 @@ class Preparer:
             edits.env.update(extras.get(request, {}))
 
     def _write_spec(self, uid: str, entries: list[tuple[str, ContainerEdits]]) -> Path:
-        spec = build_spec(self.cdi_kind, entries)
-        errors = validate_spec(spec)
-        if errors:
-            raise BackendError(f"the container edits make an invalid CDI spec: {'; '.join(errors)}")
         path = self.spec_path(uid)
-        # Compact: json's C encoder serves only calls without indent (the indenting one is pure Python).
-        write_atomically(path, json.dumps(spec, separators=(",", ":")) + "\n")
+        try:
+            write_device_spec(path, self.cdi_kind, entries)
+        except InvalidSpec as exc:
+            raise BackendError(f"the container edits make an invalid CDI spec: {exc}") from None
         return path
 
     # -- unprepare --------------------------------------------------------------------------------------

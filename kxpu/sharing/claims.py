@@ -28,7 +28,7 @@ from typing import Any
 
 from kxpu.dra.slices import binary_quantity
 from kxpu.sharing.model import ContainerRequest, DeviceFilter, PodRequest
-from kxpu.sharing.requests import RequestError, ResourceFamily, parse_pod
+from kxpu.sharing.requests import RequestError, ResourceFamily, check_containers, parse_pod
 
 API_VERSION = "resource.k8s.io/v1"
 # On every template the webhook makes: what made it (``kubectl delete resourceclaimtemplates -l`` clears them).
@@ -168,26 +168,8 @@ def template_name(family: ResourceFamily, spec: Mapping[str, Any]) -> str:
 
 def _check_pod(pod: Mapping[str, Any], names: frozenset[str], protected: Sequence[str]) -> None:
     """The webhook's checks of a shared pod that hold on the DRA path too (one-line RequestError)."""
-    import fnmatch
-
     spec = pod.get("spec") or {}
-    for container in spec.get("containers") or []:
-        resources = container.get("resources") or {}
-        asked = names & (set(resources.get("limits") or {}) | set(resources.get("requests") or {}))
-        if not asked:
-            continue
-        if (container.get("securityContext") or {}).get("privileged"):
-            raise RequestError(
-                f"container {container.get('name')!r} is privileged and asks for {', '.join(sorted(asked))}: "
-                "a privileged container sees every device, so sharing limits cannot hold"
-            )
-        own = [str(e.get("name", "")) for e in container.get("env") or []]
-        clash = sorted(n for n in own if any(fnmatch.fnmatchcase(n, p) for p in protected))
-        if clash:
-            raise RequestError(
-                f"container {container.get('name')!r} sets {', '.join(clash)}, which kxpu's DRA driver sets "
-                "from the claim"
-            )
+    check_containers(spec, names, protected, "kxpu's DRA driver sets from the claim")
     if spec.get("nodeName"):
         raise RequestError(
             "pods asking for shared devices must be placed by the scheduler (their claims allocated), "

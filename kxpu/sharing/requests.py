@@ -22,6 +22,7 @@ Pod annotations (kxpu's names, and HAMi's for drop-in use; kxpu's win when both 
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -222,6 +223,29 @@ def _annotation(annotations: Mapping[str, str], ours: str, theirs: str) -> tuple
 
 def requested_names(families: Sequence[ResourceFamily]) -> frozenset[str]:
     return frozenset(name for f in families for name in f.names)
+
+
+def check_containers(
+    spec: Mapping[str, Any], names: frozenset[str], protected_env: Sequence[str], setter: str
+) -> None:
+    """RequestError naming the container whose sharing limits could not hold: a privileged one asking for
+    ``names`` (it sees every device), or any one, init containers too, setting an env variable that kxpu
+    sets itself (``protected_env`` patterns; ``setter`` says from what). Any container may get the device
+    without asking in limits (a claim listed in its resources.claims), so the env check spares none."""
+    for container in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        resources = container.get("resources") or {}
+        asked = names & (set(resources.get("limits") or {}) | set(resources.get("requests") or {}))
+        if asked and (container.get("securityContext") or {}).get("privileged"):
+            raise RequestError(
+                f"container {container.get('name')!r} is privileged and asks for {', '.join(sorted(asked))}: "
+                "a privileged container sees every device, so sharing limits cannot hold"
+            )
+        # The kubelet appends the pod's env after the device plugin's (and the runtime after CDI's): a
+        # container setting these itself could lift its limits or widen its devices (envFrom cannot be checked).
+        own = [str(e.get("name", "")) for e in container.get("env") or []]
+        clash = sorted(n for n in own if any(fnmatch.fnmatchcase(n, p) for p in protected_env))
+        if clash:
+            raise RequestError(f"container {container.get('name')!r} sets {', '.join(clash)}, which {setter}")
 
 
 def _expect(value: Any, kind: type, where: str) -> Any:

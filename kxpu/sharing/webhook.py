@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import fnmatch
 import json
 import ssl
 import time
@@ -69,7 +68,14 @@ from kxpu.sharing import webhook_metrics as metrics
 from kxpu.sharing.claims import ClaimFamily, Template, convert
 from kxpu.sharing.control_plane import DEFAULT_PROTECTED_ENV
 from kxpu.sharing.lock import ALLOCATED_PREFIX, ASSIGNED_POD_LABEL, BIND_PHASE_ANNOTATION, LOCK_PREFIX
-from kxpu.sharing.requests import RequestError, ResourceFamily, check_pod_shape, parse_pod, requested_names
+from kxpu.sharing.requests import (
+    RequestError,
+    ResourceFamily,
+    check_containers,
+    check_pod_shape,
+    parse_pod,
+    requested_names,
+)
 from kxpu.sharing.signing import ASSIGNMENT_ANNOTATION, SIGNATURE_ANNOTATION
 
 log = get_logger("kxpu.sharing.webhook")
@@ -212,24 +218,12 @@ def validate(
     if operation != "CREATE" or not _asks(pod, families):
         return None
     spec = pod.get("spec") or {}
-    names = requested_names(families)
-    for container in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
-        resources = container.get("resources") or {}
-        asked = names & (set(resources.get("limits") or {}) | set(resources.get("requests") or {}))
-        if asked and (container.get("securityContext") or {}).get("privileged"):
-            return (
-                f"container {container.get('name')!r} is privileged and asks for {', '.join(sorted(asked))}: "
-                "a privileged container sees every device, so sharing limits cannot hold"
-            )
-        # The kubelet appends the pod's env after the device plugin's: a container setting these
-        # itself could lift its limits or widen its devices (envFrom cannot be checked here).
-        own = [str(e.get("name", "")) for e in container.get("env") or []]
-        clash = sorted(n for n in own if any(fnmatch.fnmatchcase(n, p) for p in protected_env))
-        if clash:
-            return (
-                f"container {container.get('name')!r} sets {', '.join(clash)}, which kxpu sets from the "
-                "pod's assignment"
-            )
+    try:
+        check_containers(
+            spec, requested_names(families), protected_env, "kxpu sets from the pod's assignment"
+        )
+    except RequestError as exc:
+        return str(exc)
     if spec.get("nodeName"):
         return (
             "pods asking for shared devices must be scheduled by the kxpu scheduler, not have nodeName preset"

@@ -10,11 +10,13 @@ identify a chip (no physical ID) drops it, since nothing stable could name it.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from kxpu.backends.ascend import dcmi
 from kxpu.backends.ascend.dcmi import Dcmi, DcmiError, check
 from kxpu.backends.host import Host, HostFileError
+from kxpu.backends.links import link_groups
 from kxpu.logs import get_logger
 
 log = get_logger("kxpu.backends.ascend")
@@ -111,30 +113,21 @@ def hccs_domains(lib: Dcmi, npus: list[Npu]) -> dict[int, str]:
     usable = sorted((n for n in npus if n.fault is None and n.bus_id), key=lambda n: n.bus_id or "")
     if topo is None or len(usable) < 2:
         return {}
-    parent = {n.phy_id: n.phy_id for n in usable}
 
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    def hccs_pairs() -> Iterator[tuple[int, int]]:
+        for i, a in enumerate(usable):
+            for b in usable[i + 1 :]:
+                kind = ctypes.c_int(-1)
+                code = topo(a.card_id, a.device_id, b.card_id, b.device_id, ctypes.byref(kind))
+                if code != dcmi.DCMI_OK:
+                    log.debug("no DCMI topology for a chip pair", a=a.phy_id, b=b.phy_id, code=code)
+                    continue
+                if kind.value == dcmi.TOPO_HCCS:
+                    yield a.phy_id, b.phy_id
 
-    linked: set[int] = set()
-    for i, a in enumerate(usable):
-        for b in usable[i + 1 :]:
-            kind = ctypes.c_int(-1)
-            code = topo(a.card_id, a.device_id, b.card_id, b.device_id, ctypes.byref(kind))
-            if code != dcmi.DCMI_OK:
-                log.debug("no DCMI topology for a chip pair", a=a.phy_id, b=b.phy_id, code=code)
-                continue
-            if kind.value == dcmi.TOPO_HCCS:
-                parent[find(a.phy_id)] = find(b.phy_id)
-                linked |= {a.phy_id, b.phy_id}
-    first: dict[int, str] = {}
-    for npu in usable:  # by PCI address: the first of each domain names it
-        if npu.phy_id in linked:
-            first.setdefault(find(npu.phy_id), f"hccs-{npu.bus_id}")
-    return {phy: first[find(phy)] for phy in linked}
+    bus = {n.phy_id: n.bus_id for n in usable}  # by PCI address: the first of each domain names it
+    groups = link_groups([n.phy_id for n in usable], hccs_pairs())
+    return {phy: f"hccs-{bus[first]}" for phy, first in groups.items()}
 
 
 def read_npu(lib: Dcmi, host: Host, card: int, dev: int) -> Npu | None:

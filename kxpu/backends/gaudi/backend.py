@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from kxpu.backends.gaudi.telemetry import sample_aips
 from kxpu.backends.host import Host, HostFileError
 from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
+from kxpu.backends.wakeups import Wakeups
 from kxpu.logs import get_logger
 from kxpu.model import (
     Backend,
@@ -72,14 +72,15 @@ class GaudiBackend(Backend):
         self.host = Host(self.source.host_root)
         self._placement = PlacementReader(self.host)
         self._initialized = False
-        self._listeners: set[Callable[[], None]] = set()
-        self._listeners_lock = threading.Lock()
+        self._wakeups = Wakeups()
         self.driver_version: str | None = None
         self._sample_errors: set[str] = set()
         self.aips = self._start()
         self._by_serial = {a.serial: a for a in self.aips}
         watched = [Watched(a.serial, a.handle) for a in self.aips if a.handle is not None and not a.error]
-        self.monitor = HealthMonitor(self.source, watched, config.health, self._notify) if watched else None
+        self.monitor = (
+            HealthMonitor(self.source, watched, config.health, self._wakeups.notify) if watched else None
+        )
         log.info(
             "Gaudi devices discovered",
             devices=len(self.aips),
@@ -190,24 +191,9 @@ class GaudiBackend(Backend):
         faults = self.monitor.snapshot() if self.monitor else {}
         return [self._device(a, a.error or faults.get(a.serial)) for a in self.aips]
 
-    def _notify(self) -> None:
-        with self._listeners_lock:
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener()
-
     async def watch(self) -> AsyncGenerator[list[Device]]:
         """The full list once events are being received, then a list on every health change."""
-        loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
-
-        def wake() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closing
-                loop.call_soon_threadsafe(changed.set)
-
-        with self._listeners_lock:
-            self._listeners.add(wake)
-        try:
+        with self._wakeups.subscribe() as changed:
             if self.monitor is not None and not self.monitor.running:
                 await asyncio.to_thread(self.monitor.start)
             yield self.discover()
@@ -215,9 +201,6 @@ class GaudiBackend(Backend):
                 await changed.wait()
                 changed.clear()
                 yield self.discover()
-        finally:
-            with self._listeners_lock:
-                self._listeners.discard(wake)
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, devices: Sequence[Device]) -> ContainerEdits:

@@ -3,20 +3,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from kxpu.backends.host import HostBackendConfig
-from kxpu.backends.registry import BackendConfig, refuse_set_while_off
-
-
-class HealthRecovery(BackendConfig):
-    enabled: bool = False
-    quiet_period_seconds: float = Field(default=300.0, gt=0)
-
-    @model_validator(mode="after")
-    def _not_ignored(self) -> HealthRecovery:
-        refuse_set_while_off(self, "health recovery")
-        return self
+from kxpu.backends.recovery import HealthRecovery
+from kxpu.backends.registry import BackendConfig
 
 
 class HealthConfig(BackendConfig):

@@ -20,7 +20,7 @@ from typing import Any
 
 from kxpu.backends.gaudi.config import HealthConfig
 from kxpu.backends.gaudi.hlml import HlmlSource, describe, handle_key, is_code, text
-from kxpu.logs import get_logger
+from kxpu.logs import get_logger, log_failure
 
 log = get_logger("kxpu.backends.gaudi.health")
 
@@ -116,8 +116,8 @@ class HealthMonitor:
                     self._fault([device.serial], "hlml-events-unavailable", describe(exc))
             self.ready.set()
             self._loop(event_set)
-        except Exception:
-            log.exception("health thread crashed; marking every device unhealthy")
+        except Exception as exc:
+            log_failure(log, "health thread crashed; marking every device unhealthy", exc)
             self._fault(self.devices, "health-thread-crashed")
         finally:
             self.ready.set()

@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from kxpu.backends.host import Host, HostBackendConfig, chosen_host, host_changes
+from kxpu.backends.links import link_groups
 from kxpu.backends.neuron.monitor import (
     MONITOR_PATH,
     MonitorFigures,
@@ -65,25 +66,9 @@ CORE_NAMES = ("aws.amazon.com/neuroncore",)
 def neuronlink_domains(devices: Sequence[NeuronDevice]) -> dict[int, str]:
     """Device index → its NeuronLink domain (``neuronlink-<lowest index in it>``): devices joined through
     ``connected_devices`` (a trn's torus, an inf2's ring), transitively; a device with no link is in none."""
-    present = {d.index for d in devices}
-    parent = {i: i for i in present}
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    linked: set[int] = set()
-    for dev in devices:
-        for other in dev.connected:
-            if other in present and other != dev.index:
-                parent[find(dev.index)] = find(other)
-                linked |= {dev.index, other}
-    lowest: dict[int, int] = {}
-    for index in sorted(linked):
-        lowest.setdefault(find(index), index)
-    return {i: f"neuronlink-{lowest[find(i)]}" for i in linked}
+    links = ((dev.index, other) for dev in devices for other in dev.connected)
+    groups = link_groups(sorted({d.index for d in devices}), links)
+    return {i: f"neuronlink-{lowest}" for i, lowest in groups.items()}
 
 
 class NeuronConfig(HostBackendConfig):

@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from kxpu.backends.nvidia.sharing import pick_replicas
 from kxpu.backends.nvidia.telemetry import GpuSampler
 from kxpu.backends.pci import PlacementReader
 from kxpu.backends.registry import register_backend
+from kxpu.backends.wakeups import Wakeups
 from kxpu.logs import get_logger
 from kxpu.model import (
     GRANT_ANNOTATION,
@@ -119,8 +120,7 @@ class NvidiaBackend(Backend):
         self._mps_state: str | None = None
         self._mps_lock = threading.Lock()
         self._compute_modes: dict[str, int] = {}  # GPU → compute mode before kxpu set EXCLUSIVE_PROCESS
-        self._listeners: set[Callable[[], None]] = set()
-        self._listeners_lock = threading.Lock()
+        self._wakeups = Wakeups()
         self.inventory = self._start_nvml()
         self._mig_maker = dynamic_mig.MigMaker(self.nvml, self.source.host_root)
         self._realized: dict[str, MigInfo] = {}  # placement ID → the MIG device made for it (dynamic MIG)
@@ -153,7 +153,7 @@ class NvidiaBackend(Backend):
             log.info("health checks disabled by DP_DISABLE_HEALTHCHECKS")
         elif served and self._initialized:
             self.monitor = HealthMonitor(
-                self.nvml, served, policy, config.health.recovery, self._notify, wait_ms=event_wait_ms
+                self.nvml, served, policy, config.health.recovery, self._wakeups.notify, wait_ms=event_wait_ms
             )
         self.sampler = GpuSampler(self.nvml, served, self.monitor)
         self._served = served
@@ -278,7 +278,7 @@ class NvidiaBackend(Backend):
                 )
             )
         manager = MpsManager(
-            daemons, self._notify, cfg.mps.check_interval_seconds, cfg.mps.stop_timeout_seconds
+            daemons, self._wakeups.notify, cfg.mps.check_interval_seconds, cfg.mps.stop_timeout_seconds
         )
         manager.start()
         self.mps = manager
@@ -525,24 +525,9 @@ class NvidiaBackend(Backend):
         faults = self.monitor.snapshot() if self.monitor else {}
         return [self._device(u, self._fault(u, faults)) for u in self.units] + self._placement_devices(faults)
 
-    def _notify(self) -> None:
-        with self._listeners_lock:
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener()
-
     async def watch(self) -> AsyncGenerator[list[Device], None]:
         """First the full list once health events are being received, then a list on every health change."""
-        loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
-
-        def wake() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closing
-                loop.call_soon_threadsafe(changed.set)
-
-        with self._listeners_lock:
-            self._listeners.add(wake)
-        try:
+        with self._wakeups.subscribe() as changed:
             if self._mps_wanted:
                 await asyncio.to_thread(self.start_mps)
             if self.monitor is not None and not self.monitor.running:
@@ -553,9 +538,6 @@ class NvidiaBackend(Backend):
                 await changed.wait()
                 changed.clear()
                 yield self.discover()
-        finally:
-            with self._listeners_lock:
-                self._listeners.discard(wake)
 
     # ------------------------------------------------------------------ allocation
     def _units(self, devices: Sequence[Device]) -> list[Unit]:

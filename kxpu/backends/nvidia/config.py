@@ -20,7 +20,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from kxpu.backends.registry import BackendConfig, refuse_set_while_off, set_while_off
+from kxpu.backends.recovery import HealthRecovery
+from kxpu.backends.registry import BackendConfig, set_while_off
 
 # NVIDIA's application-error Xids: the job failed, the GPU is fine.
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
@@ -143,16 +144,6 @@ class HamiCoreConfig(BackendConfig):
         if not value.startswith("/"):
             raise ValueError(f"containerPath {value} must be an absolute path")
         return value
-
-
-class HealthRecovery(BackendConfig):
-    enabled: bool = False
-    quiet_period_seconds: float = Field(default=300.0, gt=0)
-
-    @model_validator(mode="after")
-    def _not_ignored(self) -> HealthRecovery:
-        refuse_set_while_off(self, "health recovery")
-        return self
 
 
 class HealthConfig(BackendConfig):

@@ -290,29 +290,24 @@ class MigMaker:
         one over all of it: what a restart between creating it and recording the claim leaves; taken over rather
         than refusing the claim for ever. None when there is none (something else holds the memory slices)."""
         nvml = self.nvml
-        for gi_id in range(_MAX_GPU_INSTANCE_ID):
+        found = self._at(p)
+        if found is None:
+            return None
+        gi_id, gi = found
+        cis = []
+        for ci_id in range(p.profile.slices):
             try:
-                gi = nvml.nvmlDeviceGetGpuInstanceById(p.gpu.handle, gi_id)
-                info = nvml.nvmlGpuInstanceGetInfo(gi)
+                cis.append(nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id))
             except nvml.NVMLError:
                 continue
-            if int(info.profileId) != p.profile.id or int(info.placement.start) != p.start:
-                continue
-            cis = []
-            for ci_id in range(p.profile.slices):
-                try:
-                    cis.append(nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id))
-                except nvml.NVMLError:
-                    continue
-            full = _CI_PROFILE_FOR_SLICES.get(p.profile.slices)
-            if not cis or (len(cis) == 1 and int(nvml.nvmlComputeInstanceGetInfo(cis[0]).profileId) == full):
-                log.warning(
-                    "taking over a MIG instance left at this placement (kxpu restarted before recording its claim?)",
-                    device=p.id,
-                    gi=gi_id,
-                )
-                return gi, (cis[0] if cis else None)
-            return None
+        full = _CI_PROFILE_FOR_SLICES.get(p.profile.slices)
+        if not cis or (len(cis) == 1 and int(nvml.nvmlComputeInstanceGetInfo(cis[0]).profileId) == full):
+            log.warning(
+                "taking over a MIG instance left at this placement (kxpu restarted before recording its claim?)",
+                device=p.id,
+                gi=gi_id,
+            )
+            return gi, (cis[0] if cis else None)
         return None
 
     def _undo(self, p: Placement, gi: Any, ci: Any) -> None:

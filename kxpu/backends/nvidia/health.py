@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kxpu.backends.nvidia.config import HealthRecovery
 from kxpu.backends.nvidia.discovery import GpuInfo
 from kxpu.backends.nvidia.nvml import Nvml, describe, is_code, text
+from kxpu.backends.recovery import HealthRecovery
 from kxpu.logs import get_logger, log_failure
 
 log = get_logger("kxpu.backends.nvidia.health")

@@ -23,9 +23,10 @@ import itertools
 import math
 import uuid as uuidlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kxpu.backends.links import link_groups
 from kxpu.backends.nvidia.discovery import GpuInfo, linux_pci_address
 from kxpu.backends.nvidia.nvml import Nvml, describe, text
 from kxpu.logs import get_logger
@@ -99,29 +100,22 @@ def link_domains(nvml: Nvml, gpus: Sequence[GpuInfo]) -> dict[str, str]:
     """GPU UUID → its NVLink island on this node (``nvlink-<lowest PCI address in it>``): GPUs joined by
     NVLink, directly or through one NVSwitch, transitively. A GPU with no NVLink to another is in none."""
     usable = [g for g in gpus if g.error is None and g.handle is not None and g.pci_bus_id]
-    gpu_by_bus = {linux_pci_address(g.pci_bus_id or ""): g.uuid for g in usable}
-    parent = {g.uuid: g.uuid for g in usable}
+    address = {g.uuid: linux_pci_address(g.pci_bus_id or "") for g in usable}
+    gpu_by_bus = {a: u for u, a in address.items()}
 
-    def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    def nvlink_pairs() -> Iterator[tuple[str, str]]:
+        switch_members: dict[str, str] = {}  # remote (NVSwitch) address → the first GPU seen on it
+        for gpu in usable:
+            for remote in _links(nvml, gpu):
+                remote_address = linux_pci_address(remote) if ":" in remote else remote
+                yield (
+                    gpu.uuid,
+                    gpu_by_bus.get(remote_address) or switch_members.setdefault(remote_address, gpu.uuid),
+                )
 
-    switch_members: dict[str, str] = {}  # remote (NVSwitch) address → the first GPU seen on it
-    linked: set[str] = set()
-    for gpu in usable:
-        for remote in _links(nvml, gpu):
-            address = linux_pci_address(remote) if ":" in remote else remote
-            other = gpu_by_bus.get(address) or switch_members.setdefault(address, gpu.uuid)
-            if other != gpu.uuid:
-                parent[find(gpu.uuid)] = find(other)
-                linked |= {gpu.uuid, other}
-    first: dict[str, str] = {}
-    for gpu in sorted(usable, key=lambda g: linux_pci_address(g.pci_bus_id or "")):
-        if gpu.uuid in linked:
-            first.setdefault(find(gpu.uuid), linux_pci_address(gpu.pci_bus_id or ""))
-    return {u: f"nvlink-{first[find(u)]}" for u in linked}
+    by_address = sorted(usable, key=lambda g: address[g.uuid])  # the lowest PCI address names an island
+    groups = link_groups([g.uuid for g in by_address], nvlink_pairs())
+    return {u: f"nvlink-{address[first]}" for u, first in groups.items()}
 
 
 def fabric_clique(nvml: Nvml, gpu: GpuInfo) -> str | None:
