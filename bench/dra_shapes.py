@@ -7,7 +7,7 @@ can be read off one run against ``kxpu`` (kxpu's publisher as a simulated node r
 |---|---|
 | ``dp`` | no DRA at all: the extended resource ``example.com/npu: 8`` (the device plugin's path) |
 | ``example`` | kubernetes-sigs/dra-example-driver's devices (v0.2.1, as ``bench_dra_vs_go.py`` builds it): ``gpu-<i>`` with ``index``, ``uuid``, ``model``, ``driverVersion`` (a version) and capacity ``memory`` 80Gi, one slice per pool, written as the resourceslice controller writes it |
-| ``rich`` | the attributes kxpu's NVIDIA backend gives a GPU (12 and 2 capacities, against 3 and 1) |
+| ``rich`` | what kxpu's NVIDIA backend gives a GPU, with two driver versions and ``cores`` more: 13 attributes and 2 capacities, against 3 and 1 |
 | ``slices2`` | the pool in two slices of 4 devices (what a pool with counters has: devices and counters apart) |
 | ``counters`` | each device draws its 7 slice counters from a counter set of its own (kxpu's partitions' whole device), the sets in a second slice |
 | ``counters2`` | the same with the example driver's 2 counters (``memory``, ``compute``) per set |
@@ -41,7 +41,8 @@ def bench_devices() -> list[Device]:
 
 
 def rich_devices(node: str) -> list[Device]:
-    """What kxpu's NVIDIA backend gives an H100 with NVLink (``backends/nvidia/backend.py``'s ``_device``)."""
+    """What kxpu's NVIDIA backend gives an H100 with NVLink (``backends/nvidia/backend.py``'s ``_device``), with two
+    version attributes (typed ``version``, the costliest to evaluate) and ``cores`` more."""
     return [
         Device(
             id=f"npu-{i}",
