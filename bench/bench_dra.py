@@ -12,16 +12,20 @@ kube-controller-manager; taken under its lock and brought up and down here if it
 2. **Health → ResourceSlice**: the simulated state file flips a device ``--flips`` times; a watch on the
    driver's ResourceSlices times each flip until the slice shows (or no longer shows) its taint. Target:
    p99 ≤ 1 s.
-3. **Scheduling throughput**: ``--nodes`` API-only nodes, each with 8 devices two ways: as the extended
-   resource ``example.com/npu: 8`` (the device plugin's path) and as a ResourceSlice pool of driver
-   ``bench.example.com`` (published with kxpu's own publisher). ``--pods`` pods asking for one device go
-   through one kube-scheduler (its own, client QPS 500, the same for both paths), device-plugin pods first,
-   then DRA pods, each of which comes with its ResourceClaim (created by the same clients just before the
-   pod: the work a claim template gives the controller-manager, without its default 20 QPS cap). Counted
-   when bound. Reported for both, side by side.
+3. **Scheduling throughput**: ``--nodes`` API-only nodes, each with 8 devices, published in each of
+   ``--shapes`` in turn (``bench/dra_shapes.py``: ``dp`` the extended resource ``example.com/npu: 8``, the
+   device plugin's path; ``kxpu`` kxpu's own publisher; ``example`` the Go example driver's devices; others
+   that each change one factor: attributes, slices per pool, counters, consumable capacity, the DeviceClass's
+   selector). Per shape, only its slices are published; ``--pods`` pods asking for one device go through one
+   kube-scheduler (its own, client QPS 500, the same for every shape), each DRA pod with its ResourceClaim
+   (created by the same clients just before the pod: the work a claim template gives the controller-manager,
+   without its default 20 QPS cap). Counted when bound, then all deleted before the next shape. ``--rounds``
+   rounds, the order changing each round (a cold scheduler or a noisy neighbour hits no shape every time);
+   reported: each figure's median over rounds, and each shape's pods/s and scheduler CPU per pod as a ratio
+   to ``kxpu``'s in the same round (median over rounds).
 
 ``python bench/bench_dra.py [--claims 200] [--flips 40] [--nodes 500] [--pods 1000] [--only prepare|health|schedule]
-[--control-plane-only] [--json]``
+[--shapes dp,kxpu,example|all] [--rounds 3] [--control-plane-only] [--json]``
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,23 +55,21 @@ from lightkube.types import PatchType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dra_shapes import DEVICES_PER_NODE, SHAPES, Shape
 from measure import cpu_seconds, percentile
 
 from e2e.cluster import Cluster, held_up
 from kxpu.dra.prepare import ClaimRef
-from kxpu.dra.publisher import SlicePublisher
 from kxpu.kube.dra import DraKube
-from kxpu.model import Device
+from kxpu.logs import configure_logging
 from kxpu.testing.dra import DraKubeletStandIn
 
 REPO = Path(__file__).resolve().parent.parent
 NODE = "kxpu-bench-dra"
 DRIVER = "npu.example.com"
-BENCH_DRIVER = "bench.example.com"
 BENCH_LABEL = "kxpu-bench-dra"
 NS = "default"
 EXTENDED = "example.com/npu"
-DEVICES_PER_NODE = 8
 SCHEDULER = "kxpu-bench-dra"
 SCHEDULER_PORT = 10269
 TARGETS = {"prepare_p99_ms": 5.0, "health_p99_ms": 1000.0}
@@ -305,8 +308,11 @@ def pod(name: str, dra: bool) -> dict[str, Any]:
     }
 
 
-async def throughput(client: AsyncClient, pods: int, dra: bool, timeout: float) -> dict[str, float]:
-    prefix = "dra" if dra else "dp"
+async def throughput(
+    client: AsyncClient, pods: int, prefix: str, driver: str | None, timeout: float
+) -> dict[str, float]:
+    """``pods`` pods named ``<prefix>-…``, each asking for one device: of ``driver``'s DeviceClass through a
+    ResourceClaim, or (``driver`` None) the extended resource."""
     created: dict[str, float] = {}
     bound: dict[str, float] = {}
     done = asyncio.Event()
@@ -320,23 +326,21 @@ async def throughput(client: AsyncClient, pods: int, dra: bool, timeout: float) 
                     done.set()
 
     async def create(name: str) -> None:
-        if dra:
+        if driver is not None:
             claim = {
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
                 "metadata": {"name": name, "namespace": NS, "labels": {BENCH_LABEL: "true"}},
-                "spec": {
-                    "devices": {"requests": [{"name": "npu", "exactly": {"deviceClassName": BENCH_DRIVER}}]}
-                },
+                "spec": {"devices": {"requests": [{"name": "npu", "exactly": {"deviceClassName": driver}}]}},
             }
             await client.create(codecs.from_dict(claim))
-        await client.create(codecs.from_dict(pod(name, dra)))
+        await client.create(codecs.from_dict(pod(name, driver is not None)))
         created[name] = time.perf_counter()
 
     watcher = asyncio.create_task(watch())
     await asyncio.sleep(0.5)
     start = time.perf_counter()
-    await gather_limited(32, [create(f"{prefix}-{i:05d}") for i in range(pods)])
+    await gather_limited(32, [create(f"{prefix}{i:05d}") for i in range(pods)])
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(done.wait(), timeout)
     end = max(bound.values(), default=time.perf_counter())
@@ -345,75 +349,175 @@ async def throughput(client: AsyncClient, pods: int, dra: bool, timeout: float) 
         await watcher
     latencies = [(bound[n] - created[n]) * 1000 for n in bound if n in created]
     return {
-        f"{prefix}_bound": len(bound),
-        f"{prefix}_pods_per_s": round(len(bound) / (end - start), 1),
-        f"{prefix}_bind_p50_ms": round(percentile(latencies, 50), 1) if latencies else float("nan"),
-        f"{prefix}_bind_p99_ms": round(percentile(latencies, 99), 1) if latencies else float("nan"),
+        "bound": len(bound),
+        "pods_per_s": round(len(bound) / (end - start), 1),
+        "bind_p50_ms": round(percentile(latencies, 50), 1) if latencies else float("nan"),
+        "bind_p99_ms": round(percentile(latencies, 99), 1) if latencies else float("nan"),
     }
 
 
-async def delete_labelled(client: AsyncClient) -> None:
+async def wait_gone(client: AsyncClient, kind: Any, timeout: float, **where: Any) -> None:
+    """Until nothing of ``kind`` matches (a claim goes once the controller-manager has released it)."""
+    deadline = time.monotonic() + timeout
+    while [o async for o in client.list(kind, **where)]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{kind.__name__} objects still there after {timeout:.0f}s")
+        await asyncio.sleep(0.5)
+
+
+async def delete_pods_and_claims(client: AsyncClient) -> None:
     pods = [p async for p in client.list(Pod, namespace=NS, labels={BENCH_LABEL: "true"})]
     await gather_limited(
         32,
         [client.delete(Pod, str(p.metadata.name), namespace=NS, grace_period=0) for p in pods if p.metadata],
     )
     claims = [c async for c in client.list(ResourceClaim, namespace=NS, labels={BENCH_LABEL: "true"})]
-    await gather_limited(
-        32, [client.delete(ResourceClaim, str(c.metadata.name), namespace=NS) for c in claims if c.metadata]
-    )
+
+    async def release(name: str) -> None:
+        # An allocated claim keeps the scheduler's delete-protection finalizer until the controller-manager
+        # (20 QPS) deallocates it: taken off here, so that no shape's cleanup runs into the next one's pods.
+        with contextlib.suppress(Exception):
+            await client.patch(
+                ResourceClaim,
+                name,
+                {"metadata": {"finalizers": None}},
+                namespace=NS,
+                patch_type=PatchType.MERGE,
+            )
+        with contextlib.suppress(Exception):
+            await client.delete(ResourceClaim, name, namespace=NS)
+
+    await gather_limited(32, [release(str(c.metadata.name)) for c in claims if c.metadata])
+
+
+async def delete_labelled(client: AsyncClient) -> None:
+    await delete_pods_and_claims(client)
     nodes = [n async for n in client.list(Node, labels={BENCH_LABEL: "true"})]
     await gather_limited(32, [client.delete(Node, str(n.metadata.name)) for n in nodes if n.metadata])
-    with contextlib.suppress(Exception):
-        await client.delete(_DeviceClass, BENCH_DRIVER)
     with contextlib.suppress(Exception):
         await client.delete(_DeviceClass, DRIVER)
 
 
-async def scheduling(
-    client: AsyncClient, cluster: Cluster, work: Path, nodes: int, pods: int
+async def delete_bench_slices(client: AsyncClient) -> None:
+    """Every slice and DeviceClass of the scheduling arms' drivers (``<shape>.bench.example.com``)."""
+    for shape in SHAPES.values():
+        driver = shape.driver()
+        kube = DraKube(driver, client)
+        slices = [s async for s in client.list(ResourceSlice, fields={"spec.driver": driver})]
+        await gather_limited(16, [kube.delete_slice(str(s.metadata.name)) for s in slices if s.metadata])
+        with contextlib.suppress(Exception):
+            await client.delete(_DeviceClass, driver)
+
+
+def arm_order(shapes: list[str], round_: int) -> list[str]:
+    """Round 0 as given, 1 reversed, 2 rotated by half, …: no shape always goes first (a cold scheduler) or
+    always follows the same one."""
+    if round_ % 3 == 1:
+        return shapes[::-1]
+    if round_ % 3 == 2:
+        half = len(shapes) // 2
+        return shapes[half:] + shapes[:half]
+    return list(shapes)
+
+
+async def one_arm(
+    client: AsyncClient, shape: Shape, names: list[str], pods: int, round_: int, pids: dict[str, int]
 ) -> dict[str, float]:
+    """Publish ``shape`` on every node (nothing else published), send the pods, take it all away again."""
+    kube = DraKube(shape.driver(), client)
+    driver = None
+    if shape.publish is not None:
+        driver = shape.driver()
+        await client.create(
+            codecs.from_dict(
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "DeviceClass",
+                    "metadata": {"name": driver},
+                    "spec": {"selectors": [{"cel": {"expression": shape.expression()}}]},
+                }
+            )
+        )
+        publish = shape.publish
+        await gather_limited(16, [publish(kube, driver, n) for n in names])
+        await asyncio.sleep(2)  # the scheduler's informers have the slices
+    load = os.getloadavg()[0]
+    cpu = {k: cpu_seconds(p) for k, p in pids.items()}
+    result: dict[str, float] = await throughput(client, pods, f"{shape.name}-r{round_}-", driver, timeout=300)
+    for k, p in pids.items():
+        result[f"{k}_cpu_ms_per_pod"] = round(1000 * (cpu_seconds(p) - cpu[k]) / pods, 2)
+    result["load1"] = round(load, 2)
+    await delete_pods_and_claims(client)
+    await wait_gone(client, Pod, 120, namespace=NS, labels={BENCH_LABEL: "true"})
+    await wait_gone(client, ResourceClaim, 120, namespace=NS, labels={BENCH_LABEL: "true"})
+    await delete_bench_slices(client)
+    return result
+
+
+def summary(runs: dict[str, list[dict[str, float]]], base: str) -> dict[str, Any]:
+    """Per shape, the median of each figure over the rounds, and the median over rounds of its pods/s and
+    scheduler CPU per pod as a ratio to ``base``'s in the same round."""
+    out: dict[str, Any] = {}
+    for name, rounds in runs.items():
+        for key in rounds[0]:
+            out[f"{name}_{key}"] = round(statistics.median(r[key] for r in rounds), 2)
+        if base in runs and name != base:
+            for key in ("pods_per_s", "kube_scheduler_cpu_ms_per_pod"):
+                ratios = [r[key] / b[key] for r, b in zip(rounds, runs[base], strict=True) if b[key]]
+                if ratios:
+                    out[f"{name}_{key}_vs_{base}"] = round(statistics.median(ratios), 3)
+    return out
+
+
+def shape_table(result: dict[str, Any]) -> str:
+    """The scheduling arms as a Markdown table: medians over the rounds, ratios to ``kxpu`` within a round."""
+    rows = [
+        "| shape | pods/s | vs kxpu | scheduler CPU ms/pod | vs kxpu | API server CPU ms/pod | bind p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in result["runs"]:
+
+        def get(key: str, name: str = name) -> Any:
+            return result.get(f"{name}_{key}", "")
+
+        rows.append(
+            f"| {name} | {get('pods_per_s')} | {get('pods_per_s_vs_kxpu')} | {get('kube_scheduler_cpu_ms_per_pod')} "
+            f"| {get('kube_scheduler_cpu_ms_per_pod_vs_kxpu')} | {get('kube_apiserver_cpu_ms_per_pod')} "
+            f"| {get('bind_p50_ms')} / {get('bind_p99_ms')} |"
+        )
+    return "\n".join(rows)
+
+
+async def scheduling(
+    client: AsyncClient,
+    cluster: Cluster,
+    work: Path,
+    nodes: int,
+    pods: int,
+    shapes: list[str],
+    rounds: int,
+) -> dict[str, Any]:
     names = [f"kxpu-bench-dra-{i:04d}" for i in range(nodes)]
     t0 = time.perf_counter()
     await gather_limited(16, [api_only_node(client, n, DEVICES_PER_NODE) for n in names])
-    kube = DraKube(BENCH_DRIVER, client)
-
-    async def publish(node: str) -> None:
-        devices = [
-            Device(id=f"npu-{i}", model="bench-npu", memory_mib=16384, index=i)
-            for i in range(DEVICES_PER_NODE)
-        ]
-        await SlicePublisher(kube, BENCH_DRIVER, node, "taint").publish(devices)
-
-    await gather_limited(16, [publish(n) for n in names])
-    await client.create(
-        codecs.from_dict(
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "DeviceClass",
-                "metadata": {"name": BENCH_DRIVER},
-                "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{BENCH_DRIVER}"'}}]},
-            }
-        )
-    )
-    print(f"{nodes} nodes with 8 devices both ways in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    await delete_bench_slices(client)
+    print(f"{nodes} nodes with example.com/npu: 8 in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     scheduler = start_scheduler(cluster, work)
+    runs: dict[str, list[dict[str, float]]] = {s: [] for s in shapes}
     try:
         await asyncio.sleep(3)  # its informers sync
         pids = {
             "kube_scheduler": scheduler.pid,
-            "kube_apiserver": cluster.pid("kube-apiserver"),
-            "etcd": cluster.pid("etcd"),
+            **{k: p for k in ("kube_apiserver", "etcd") if (p := cluster.pid(k.replace("_", "-")))},
         }
-        result: dict[str, float] = {"nodes": nodes, "pods": pods}
-        for dra in (False, True):
-            cpu = {k: cpu_seconds(p) for k, p in pids.items() if p}
-            result.update(await throughput(client, pods, dra, timeout=300))
-            prefix = "dra" if dra else "dp"
-            for k, p in pids.items():
-                if p:
-                    result[f"{prefix}_{k}_cpu_ms_per_pod"] = round(1000 * (cpu_seconds(p) - cpu[k]) / pods, 1)
-        return result
+        for round_ in range(rounds):
+            for name in arm_order(shapes, round_):
+                got = await one_arm(client, SHAPES[name], names, pods, round_, pids)
+                runs[name].append(got)
+                print(
+                    f"{time.strftime('%H:%M:%S')} round {round_} {name:10} {json.dumps(got)}", file=sys.stderr
+                )
+        return {"nodes": nodes, "pods": pods, "rounds": rounds, **summary(runs, "kxpu"), "runs": runs}
     finally:
         scheduler.terminate()
         scheduler.wait(20)
@@ -448,15 +552,14 @@ async def run(args: argparse.Namespace, cluster: Cluster, work: Path) -> dict[st
                 for s in slices:
                     await client.delete(ResourceSlice, str(s.metadata.name))  # type: ignore[union-attr]
         if args.only in (None, "schedule"):
-            result.update(await scheduling(client, cluster, work, args.nodes, args.pods))
+            shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+            result.update(await scheduling(client, cluster, work, args.nodes, args.pods, shapes, args.rounds))
         return result
     finally:
         with contextlib.suppress(Exception):
             await delete_labelled(client)
-        # a node's slices go with it where a controller-manager collects garbage (delete_slice ignores 404)
-        kube = DraKube(BENCH_DRIVER, client)
-        slices = [s async for s in client.list(ResourceSlice, fields={"spec.driver": BENCH_DRIVER})]
-        await gather_limited(16, [kube.delete_slice(str(s.metadata.name)) for s in slices if s.metadata])
+        with contextlib.suppress(Exception):
+            await delete_bench_slices(client)
         await client.close()
 
 
@@ -466,13 +569,25 @@ def main() -> int:
     parser.add_argument("--flips", type=int, default=40)
     parser.add_argument("--nodes", type=int, default=500)
     parser.add_argument("--pods", type=int, default=1000)
+    parser.add_argument(
+        "--shapes",
+        default="dp,kxpu,example",
+        help=f"scheduling arms, comma-separated, or all: {', '.join(SHAPES)} (bench/dra_shapes.py)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="scheduling rounds, the arms' order alternating"
+    )
     parser.add_argument("--only", choices=["prepare", "health", "schedule"])
     parser.add_argument("--control-plane-only", action="store_true", help="the harness's node-less cluster")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    unknown = set(args.shapes.split(",")) - {*SHAPES, "all"}
+    if unknown:
+        parser.error(f"unknown --shapes {', '.join(sorted(unknown))}: choose from {', '.join(SHAPES)} or all")
     if os.geteuid() != 0:
         print("needs root: it uses the e2e cluster", file=sys.stderr)
         return 2
+    configure_logging("warning")  # the publisher's line per node and shape would bury the figures
     cluster = Cluster.default(control_plane_only=args.control_plane_only)
     work = Path(tempfile.mkdtemp(prefix="kx-bdra-", dir="/tmp"))
     try:
@@ -487,8 +602,12 @@ def main() -> int:
     }
     if args.json:
         print(json.dumps(result))
+    elif "runs" in result:
+        print(shape_table(result))
     else:
         for key, value in result.items():
+            if key == "runs":
+                continue
             target = TARGETS.get(key)
             mark = "" if target is None else (" ✓" if float(value) <= target else f" ✗ (target ≤ {target})")
             print(f"{key:36} {value}{mark}")
