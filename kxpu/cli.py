@@ -301,6 +301,8 @@ def _dra(
 def _leftovers(config: Config, node: str) -> Any:
     """The DRA drivers with claims still prepared that this config no longer serves through DRA
     (``kxpu.dra.leftover``), each served for unprepare only; None when there are none."""
+    if next(config.kubelet_plugins_dir.glob("*/checkpoint.json"), None) is None:
+        return None  # no DRA driver's checkpoint here: a device-plugin node never loads the DRA package
     from kxpu.dra.leftover import leftovers_for
 
     def make(driver: str, resource: ResourceConfig | None) -> Any:

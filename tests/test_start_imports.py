@@ -1,0 +1,120 @@
+"""What a starting node daemon loads: only what its configured backends and serving paths use.
+
+Every module a process imports costs its start (exec → registered with the kubelet) and its memory for as long
+as it runs, so ``kxpu plugin`` loads a vendor backend, the Kubernetes client, the DRA driver, fractional sharing
+and telemetry only when the config uses them. Read from the daemon itself: ``kxpu plugin`` runs as a separate
+process against the kubelet stand-in with ``PYTHONPROFILEIMPORTTIME`` set, and the test reads every module it
+imported, until it registered and stopped, from that report on its stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from kxpu.testing import KubeletStandIn
+from kxpu.testing.dra import DraKubeletStandIn
+from kxpu.testing.process import DaemonProcess
+
+# Never loaded by a daemon whose config does not use them (the feature's own config model aside: the config
+# file composes every feature's model).
+VENDORS = [
+    f"kxpu.backends.{v}" for v in ("nvidia", "amd", "ascend", "gaudi", "neuron", "cambricon", "generic")
+]
+ALWAYS_UNUSED = [
+    *VENDORS,
+    "kxpu.testing",  # fakes plug in from outside, and only when the environment names one
+    "kxpu.sharing.",  # the cluster side; kxpu.sharing.config is the one module a node daemon loads
+    "kxpu.daemon.telemetry",  # telemetry is off in these configs
+    "aiohttp",
+]
+DEVICE_PLUGIN_UNUSED = [
+    *ALWAYS_UNUSED,
+    "kxpu.dra.",  # no DRA resource, no DRA checkpoint on the node: kxpu.dra.config only
+    "kxpu.api.dra",
+    "kxpu.api.pluginregistration",
+    "kxpu.daemon.holders",  # what pods hold: read by telemetry and by a DRA driver before it publishes
+    "kxpu.api.podresources",
+    "kxpu.kube",  # no API server needed (--http-auth none)
+    "lightkube",
+    "httpx",
+]
+ALLOWED = {"kxpu.sharing.config", "kxpu.dra.config"}
+
+_IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", re.M)
+
+
+def _config(base: Path, dra: bool) -> Path:
+    resource: dict[str, Any] = {"name": "example.com/npu", "simulated": {"count": 8, "model": "sim"}}
+    if dra:
+        resource |= {"serve": "dra", "dra": {"nodeName": "node-a", "cdiSpecDir": str(base / "cdi")}}
+    config = base / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "version": "v1",
+                "devicePluginDir": str(base / "dp"),
+                "kubeletPluginsDir": str(base / "plugins"),
+                "pluginsRegistryDir": str(base / "registry"),
+                "podResourcesSocket": str(base / "pod-resources.sock"),
+                "resources": [resource],
+            }
+        )
+    )
+    for d in ("dp", "plugins", "registry"):
+        (base / d).mkdir(exist_ok=True)
+    return config
+
+
+def _loaded(log: Path) -> set[str]:
+    return set(_IMPORTED.findall(log.read_text()))
+
+
+def _unexpected(modules: set[str], unused: list[str]) -> list[str]:
+    """``unused`` names a module with its submodules, or, ending in a dot, only a package's submodules."""
+
+    def matches(module: str, name: str) -> bool:
+        return (
+            module.startswith(name) if name.endswith(".") else module == name or module.startswith(name + ".")
+        )
+
+    return sorted(m for m in modules - ALLOWED if any(matches(m, u) for u in unused))
+
+
+async def test_a_device_plugin_node_loads_no_dra_kubernetes_vendor_or_sharing_code(workdir: Path) -> None:
+    config = _config(workdir, dra=False)
+    kubelet = KubeletStandIn(workdir / "dp")
+    await kubelet.start()
+    log = workdir / "daemon.log"
+    daemon = DaemonProcess(config, log, env={"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent"})
+    await daemon.start()
+    try:
+        await kubelet.wait_registered("example.com/npu", timeout=60)
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+    modules = _loaded(log)
+    assert "kxpu.daemon.servicer" in modules and "kxpu.backends.simulated" in modules  # the report is read
+    assert _unexpected(modules, DEVICE_PLUGIN_UNUSED) == []
+
+
+async def test_a_dra_node_loads_no_vendor_sharing_or_telemetry_code(workdir: Path) -> None:
+    config = _config(workdir, dra=True)
+    kubelet = DraKubeletStandIn(workdir / "registry")
+    await kubelet.start()
+    log = workdir / "daemon.log"
+    env = {"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent", "NODE_NAME": "node-a"}
+    daemon = DaemonProcess(config, log, env=env)
+    await daemon.start()
+    try:
+        await kubelet.wait_registered("npu.example.com", timeout=60)
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+    modules = _loaded(log)
+    assert "kxpu.dra.plugin" in modules  # the report is read
+    assert _unexpected(modules, ALWAYS_UNUSED) == []
