@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from kxpu.backends.neuron.sysfs import LEGACY_PATHS, LNC_DEVICES, LNC_FILE, SEAM
 from kxpu.testing.fake_host import FakeHost
@@ -126,8 +126,12 @@ def neighbours(profile: NeuronProfile, index: int) -> list[int]:
 
 def attribute_path(profile: NeuronProfile, index: int, name: str) -> str:
     """The host path of one of device ``index``'s attributes in ``profile``'s layout."""
+    return _attribute_template(profile, name).format(index=index)
+
+
+def _attribute_template(profile: NeuronProfile, name: str) -> str:
     rel = NEW_LAYOUT.get(name) if profile.layout == "new" else None
-    return f"{DEVICE_DIR}/neuron{index}/{rel or LEGACY_PATHS[name]}"  # type: ignore[index]
+    return f"{DEVICE_DIR}/neuron{{index}}/{rel or LEGACY_PATHS[name]}"  # type: ignore[index]
 
 
 # device_mem's categories (neuron_sysfs_metrics.c, device_mem_category_counter_nodes_info_tbl)
@@ -268,7 +272,7 @@ class FakeNeuron:
         this tree (``kxpu.testing.fake_neuron_monitor``), whose applications ``run_app`` sets."""
         from kxpu.testing import fake_neuron_monitor as monitor
 
-        monitor.write_state(self.root, monitor.initial_state(self.profile))
+        monitor.write_state(self.root, self._monitor_state())
         self.fake.write_file(
             MONITOR_PATH,
             f"#!{sys.executable}\nimport sys\nfrom kxpu.testing.fake_neuron_monitor import main\n"
@@ -284,7 +288,7 @@ class FakeNeuron:
         driver's per-core counters, as the runtime's allocations do."""
         from kxpu.testing import fake_neuron_monitor as monitor
 
-        state = monitor.read_state(self.root) or monitor.initial_state(self.profile)
+        state = monitor.read_state(self.root) or self._monitor_state()
         apps = [a for a in state["apps"] if a["pid"] != pid]
         entry = {"utilization": 0.0, "memory": {}}
         apps.append(
@@ -301,7 +305,7 @@ class FakeNeuron:
     def end_app(self, pid: int) -> None:
         from kxpu.testing import fake_neuron_monitor as monitor
 
-        state = monitor.read_state(self.root) or monitor.initial_state(self.profile)
+        state = monitor.read_state(self.root) or self._monitor_state()
         for app in state["apps"]:
             if app["pid"] == pid:
                 for core in app["cores"]:
@@ -313,7 +317,7 @@ class FakeNeuron:
         """Corrected ECC events, which only neuron-monitor reports (the driver's sysfs counts uncorrected ones)."""
         from kxpu.testing import fake_neuron_monitor as monitor
 
-        state = monitor.read_state(self.root) or monitor.initial_state(self.profile)
+        state = monitor.read_state(self.root) or self._monitor_state()
         corrected = state["corrected"].setdefault(str(index), {})
         corrected[kind] = count
         monitor.write_state(self.root, state)
@@ -323,8 +327,29 @@ class FakeNeuron:
         are not JSON; None: report again."""
         from kxpu.testing import fake_neuron_monitor as monitor
 
-        state = monitor.read_state(self.root) or monitor.initial_state(self.profile)
+        state = monitor.read_state(self.root) or self._monitor_state()
         monitor.write_state(self.root, {**state, "fault": fault})
+
+    def _monitor_state(self) -> dict[str, Any]:
+        """The fake monitor's first state: what it reports of this machine (it reads nothing of the profile)."""
+        from kxpu.backends.neuron.sysfs import MEMORY_GIB
+
+        profile = self.profile
+        return {
+            "profile": profile.name,
+            "family": profile.family,
+            "neuroncore_version": profile.arch[1].lower().replace("nc", ""),
+            "device_name": profile.device_name,
+            "cores_per_device": profile.cores_per_device,
+            "logical_core_config": profile.logical_core_config,
+            "memory_bytes": MEMORY_GIB.get(profile.device_name, 0) * 1024**3,
+            "ecc_uncorrected": {
+                kind: _attribute_template(profile, f"{kind}_ecc_uncorrected") for kind in ("mem", "sram")
+            },
+            "apps": [],
+            "corrected": {},
+            "fault": None,
+        }
 
     def _physical(self, core: int) -> tuple[int, int]:
         """Logical NeuronCore ``core`` → (device index, first physical core's directory index)."""

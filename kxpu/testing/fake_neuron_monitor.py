@@ -24,10 +24,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kxpu.testing.fake_neuron import NeuronProfile
+from typing import Any
 
 STATE = "run/kxpu-fake-neuron-monitor.json"  # under the tree's root
 STARTS = "run/kxpu-fake-neuron-monitor.starts"  # one line per start, for tests that count restarts
@@ -36,21 +33,6 @@ ALL_RUNTIME_GROUPS = ("neuroncore_counters", "memory_used", "neuron_runtime_vcpu
 ALL_SYSTEM_GROUPS = ("vcpu_usage", "memory_info", "neuron_hw_counters")
 _PERIOD = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)$")
 GIB = 1024**3
-
-
-def initial_state(profile: NeuronProfile) -> dict[str, Any]:
-    from kxpu.backends.neuron.sysfs import MEMORY_GIB
-
-    return {
-        "profile": profile.name,
-        "device_name": profile.device_name,
-        "cores_per_device": profile.cores_per_device,
-        "logical_core_config": profile.logical_core_config,
-        "memory_bytes": MEMORY_GIB.get(profile.device_name, 0) * GIB,
-        "apps": [],
-        "corrected": {},
-        "fault": None,
-    }
 
 
 def read_state(root: Path | str) -> dict[str, Any] | None:
@@ -103,9 +85,6 @@ def _devices(root: Path) -> list[int]:
 def report(
     root: Path, state: dict[str, Any], period: float, runtime: set[str], system: set[str]
 ) -> dict[str, Any]:
-    from kxpu.testing.fake_neuron import attribute_path, load_profile
-
-    profile = load_profile(state["profile"])
     devices = _devices(root)
     runtimes = []
     for app in state["apps"]:
@@ -153,10 +132,10 @@ def report(
                     "neuron_device_index": index,
                     "mem_ecc_corrected": corrected.get("mem", 0),
                     "mem_ecc_uncorrected": _sysfs_int(
-                        root, attribute_path(profile, index, "mem_ecc_uncorrected")
+                        root, state["ecc_uncorrected"]["mem"].format(index=index)
                     ),
                     "sram_ecc_uncorrected": _sysfs_int(
-                        root, attribute_path(profile, index, "sram_ecc_uncorrected")
+                        root, state["ecc_uncorrected"]["sram"].format(index=index)
                     ),
                     "sram_ecc_corrected": corrected.get("sram", 0),
                 }
@@ -168,7 +147,7 @@ def report(
         "instance_info": {
             "instance_name": "",
             "instance_id": "i-0fake0fake0fake00",
-            "instance_type": f"{profile.family.lower()}.fake",
+            "instance_type": f"{state['family'].lower()}.fake",
             "instance_availability_zone": "",
             "instance_availability_zone_id": "",
             "instance_region": "",
@@ -178,7 +157,7 @@ def report(
         },
         "neuron_hardware_info": {
             "neuron_device_type": state["device_name"].lower(),
-            "neuroncore_version": profile.arch[1].lower().replace("nc", ""),
+            "neuroncore_version": state["neuroncore_version"],
             "neuron_device_count": len(devices),
             "neuron_device_memory_size": state["memory_bytes"],
             "neuroncore_per_device_count": state["cores_per_device"],
