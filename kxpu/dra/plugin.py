@@ -51,7 +51,7 @@ from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
 from kxpu.dra.slices import SharePolicy
 from kxpu.dra.taints import TaintPolicy
-from kxpu.fswatch import directory_changes
+from kxpu.fswatch import ENTRY_EVENTS, directory_changes
 from kxpu.kube.watch import keep_watching
 from kxpu.logs import error_text, get_logger
 from kxpu.model import SUB_DEVICE_SEPARATOR, Backend, Partitioner
@@ -376,10 +376,13 @@ class DraPlugin:
 
     async def _watch_dirs(self) -> None:
         directories = [self.dra.path.parent, self.registration.path.parent]
+        # Only the sockets matter, and only their names coming and going: the checkpoint beside the DRA socket is
+        # rewritten on every prepare and unprepare, and each of those writes would wake the socket check.
+        sockets = {self.dra.path, self.registration.path}
         backoff = Backoff(initial=1.0, maximum=30.0)
         while True:
             try:
-                async for _ in directory_changes(lambda: directories, lambda p: p.parent in directories):
+                async for _ in directory_changes(lambda: directories, sockets.__contains__, ENTRY_EVENTS):
                     self.poke()
             except Exception as exc:  # inotify limits: the resync still re-checks every RESYNC_SECONDS
                 delay = backoff.next_delay()
