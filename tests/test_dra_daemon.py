@@ -475,7 +475,12 @@ async def test_prepares_do_not_wake_the_socket_check_but_a_removed_dra_socket_do
     socket itself removed still brings it back and registers it again."""
     wakes: list[int] = []
     poke = DraPlugin.poke
-    monkeypatch.setattr(DraPlugin, "poke", lambda self: (wakes.append(1), poke(self))[1])
+
+    def counted(self: DraPlugin) -> None:
+        wakes.append(1)
+        poke(self)
+
+    monkeypatch.setattr(DraPlugin, "poke", counted)
     await rig.start()
     await rig.kubelet.wait_registered(DRIVER)
     await eventually(lambda: len(rig.pool()) == 4)

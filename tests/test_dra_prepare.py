@@ -405,3 +405,35 @@ async def test_a_call_needs_no_worker_thread_unless_another_process_wrote_the_ch
     assert (await other.prepare(claims[1:]))[claims[1].uid].error is None
     assert (await rig.preparer.prepare(claims[1:]))[claims[1].uid].error is None
     assert hops == ["refresh"] and set(rig.preparer.checkpoint.claims) == {claims[1].uid}
+
+
+async def test_the_checkpoint_file_is_the_whole_document_after_any_sequence_of_calls(tmp_path: Path) -> None:
+    """Each save re-encodes only the claims it has not written before: the file must still be exactly the whole
+    document (the format earlier and later versions read), whatever was prepared, re-prepared or unprepared."""
+    from kxpu.dra.checkpoint import VERSION, _claim_to_json
+
+    rig = Rig(tmp_path, count=8)
+    path = rig.root / "plugins" / DRIVER / "checkpoint.json"
+    claims = [rig.api.add_claim(f"c{n}", [result(f"sim-{n}")]) for n in range(6)]
+
+    def expected(preparer: Preparer) -> str:
+        doc = {
+            "version": VERSION,
+            "driver": DRIVER,
+            "claims": {u: _claim_to_json(c) for u, c in sorted(preparer.checkpoint.claims.items())},
+        }
+        return json.dumps(doc, separators=(",", ":")) + "\n"
+
+    await rig.preparer.prepare(claims[:2])
+    await rig.preparer.prepare(claims[2:5])
+    assert path.read_text() == expected(rig.preparer)
+    await rig.preparer.unprepare([claims[1], claims[3]])
+    assert path.read_text() == expected(rig.preparer)
+    rig.preparer.spec_path(claims[0].uid).unlink()  # prepared again from the start: a new record
+    await rig.preparer.prepare([claims[0], claims[5]])
+    assert path.read_text() == expected(rig.preparer)
+    fresh = rig.make()  # another process: loads it, then writes its own after a change
+    assert fresh.checkpoint.claims == rig.preparer.checkpoint.claims
+    await fresh.unprepare([claims[2]])
+    assert path.read_text() == expected(fresh) and claims[2].uid not in path.read_text()
+    assert set(json.loads(path.read_text())["claims"]) == {claims[n].uid for n in (0, 4, 5)}

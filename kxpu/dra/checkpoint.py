@@ -157,6 +157,10 @@ class Checkpoint:
         self._seen: tuple[int, int, int, int] | None = (
             None  # the file as last loaded or written (inode, mtime, size)
         )
+        # Each claim's JSON as last written (``"<uid>":{…}``), by UID: a claim's record never changes once made (PreparedClaim is
+        # frozen; a changed claim is a new object), so a save serialises only the claims added since the last one,
+        # not every claim prepared on the node.
+        self._encoded: dict[str, tuple[PreparedClaim, str]] = {}
 
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[bool]:
@@ -232,10 +236,14 @@ class Checkpoint:
         self._seen = _identity(self.path)
 
     def save(self) -> None:
-        doc = {
-            "version": VERSION,
-            "driver": self.driver,
-            "claims": {uid: _claim_to_json(c) for uid, c in sorted(self.claims.items())},
+        self._encoded = encoded = {
+            uid: known
+            if (known := self._encoded.get(uid)) is not None and known[0] is claim
+            else (claim, f"{_dumps(uid)}:{_dumps(_claim_to_json(claim))}")
+            for uid, claim in sorted(self.claims.items())
+        }
+        claims = ",".join(text for _, text in encoded.values())
+        rest = {
             **(
                 {
                     "making": {
@@ -249,8 +257,11 @@ class Checkpoint:
             **({"unreleased": [dict(h) for h in self.unreleased]} if self.unreleased else {}),
             **({"releasing": list(self.releasing)} if self.releasing else {}),
         }
+        # The same text json.dumps gives for the whole document, its keys in this order.
+        head = _dumps({"version": VERSION, "driver": self.driver})[:-1]
+        tail = f",{_dumps(rest)[1:]}" if rest else "}"
         try:
-            write_atomically(self.path, json.dumps(doc, separators=_COMPACT) + "\n", mode=0o600, durable=True)
+            write_atomically(self.path, f'{head},"claims":{{{claims}}}{tail}\n', mode=0o600, durable=True)
             self._seen = _identity(self.path)
         except OSError as exc:
             raise CheckpointError(
@@ -265,6 +276,10 @@ class Checkpoint:
             for prepared in claim.devices
             if prepared.device == device
         ]
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=_COMPACT)
 
 
 def _identity(path: Path) -> tuple[int, int, int, int] | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -146,6 +147,9 @@ class ClaimStatusWriter:
         self._written: set[str] = set()  # claim UIDs whose entries this process wrote (and did not remove)
         self._inflight: set[str] = set()
         self._wake = asyncio.Event()
+        # When the writer wakes by itself (time.monotonic(); inf: only when woken): an entry due no earlier needs no
+        # wake-up of its own (a wake-up per prepare is a task and a timer on every claim).
+        self._wakes_at = 0.0
         self._slots = asyncio.Semaphore(concurrency)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -162,8 +166,12 @@ class ClaimStatusWriter:
         """Entries for a claim (never blocks)."""
         if not devices:
             return
-        self._pending[ref.uid] = _Pending(ref, devices, time.monotonic() + self.settle_s)
-        self._kick()
+        due = time.monotonic() + self.settle_s
+        self._pending[ref.uid] = _Pending(ref, devices, due)
+        if due < self._wakes_at:
+            self._kick()
+        else:
+            self._idle.clear()
 
     def busy(self) -> None:
         """The kubelet is calling (prepare, unprepare): writes wait for a quiet moment, off its way."""
@@ -200,13 +208,17 @@ class ClaimStatusWriter:
                 self._wake.clear()
                 waiting = [p for u, p in self._pending.items() if u not in self._inflight]
                 if not waiting:
+                    self._wakes_at = math.inf
                     await self._wake.wait()
+                    self._wakes_at = 0.0
                     continue
                 now = time.monotonic()
                 due = min(p.due for p in waiting)
                 quiet_at = self._activity + self.quiet_s
                 if due > now or (quiet_at > now and now < due + self.max_defer_s):
-                    await _sleep_or(self._wake, max(due, min(quiet_at, due + self.max_defer_s)) - now)
+                    self._wakes_at = max(due, min(quiet_at, due + self.max_defer_s))
+                    await _sleep_or(self._wake, self._wakes_at - now)
+                    self._wakes_at = 0.0
                     continue
                 for uid in [u for u, p in self._pending.items() if u not in self._inflight and p.due <= now]:
                     await self._slots.acquire()
