@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import stat
 from pathlib import Path
 
 # Temp names: this process's ID and a counter, created with O_EXCL (a name taken, by another process with the
@@ -58,3 +59,82 @@ def write_atomically(path: Path, text: str, mode: int = 0o644, durable: bool = F
             os.fsync(directory)
         finally:
             os.close(directory)
+
+
+def _open_spare(spare: str, mode: int) -> tuple[int, os.stat_result]:
+    """The spare file open for writing, created if missing; never one that has another name too (the live file,
+    after a crash midway) or that is not a regular file."""
+    try:
+        fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = -1
+    except OSError:  # ELOOP: a symlink in its place, not ours
+        os.unlink(spare)
+        fd = -1
+    if fd >= 0:
+        st = os.fstat(fd)
+        if st.st_nlink == 1 and stat.S_ISREG(st.st_mode):
+            return fd, st
+        os.close(fd)
+        os.unlink(spare)
+    fd = os.open(spare, _FLAGS, mode)
+    return fd, os.fstat(fd)
+
+
+def replace_durably(path: Path, text: str, mode: int = 0o600) -> None:
+    """``write_atomically(path, text, mode, durable=True)`` without making a file: for a file replaced on every
+    call (the DRA checkpoint), where creating and freeing an inode each time costs more CPU than the write itself
+    (a filesystem's inode allocation, the discard of the freed blocks).
+
+    The inode the previous replace retired is kept as ``.<name>.spare`` beside ``path`` and written over in place
+    (flushed), then renamed over ``path``; the inode ``path`` had is linked aside first and becomes the next spare.
+    Readers see the old content or the new, whole, as with a rename of a new file; a power loss leaves one of
+    them. Writers of one path must take turns (the checkpoint's lock): they share the spare. A reader that holds
+    the file open across two replaces reads the second one's bytes over the first's: readers read at once."""
+    directory = os.path.dirname(os.fspath(path))
+    name = os.fspath(path)
+    spare = os.path.join(directory, f".{path.name}.spare")
+    retired = os.path.join(directory, f".{path.name}.retired")
+    data = text.encode()
+    try:
+        fd, st = _open_spare(spare, mode)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, st = _open_spare(spare, mode)
+    try:
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+        written = 0
+        while written < len(data):
+            written += os.pwrite(fd, data[written:], written)
+        if st.st_size != len(data):
+            os.ftruncate(fd, len(data))
+        os.fdatasync(
+            fd
+        )  # the content, and the size where it changed: what a reader of the renamed file needs
+    finally:
+        os.close(fd)
+    try:
+        try:
+            os.link(name, retired, follow_symlinks=False)
+        except FileExistsError:  # left by a crash midway
+            os.unlink(retired)
+            os.link(name, retired, follow_symlinks=False)
+    except (
+        OSError
+    ):  # the first write; or no hard links here: the old inode goes, a new spare is made next time
+        retired = ""
+    try:
+        os.replace(spare, name)
+    except BaseException:
+        if retired:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(retired)
+        raise
+    if retired:
+        os.replace(retired, spare)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

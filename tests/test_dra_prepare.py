@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -274,17 +275,18 @@ async def test_the_checkpoint_reaches_the_disk_before_prepare_answers(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A power loss right after the kubelet got its answer must not lose the claim: the checkpoint's content
-    and its rename are flushed (fsync of the file and of its directory)."""
+    and its rename are flushed (fsync or fdatasync of the file before its rename, fsync of its directory)."""
     import os
 
     synced: list[str] = []
-    real = os.fsync
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name)
 
-    def fsync(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real(fd)
+        def flush(fd: int, real: Any = real) -> None:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real(fd)
 
-    monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, name, flush)
     claim = rig.api.add_claim("c", [result("sim-0")])
     assert (await rig.preparer.prepare([claim]))[claim.uid].error is None
     directory = str(rig.root / "plugins" / DRIVER)
@@ -293,20 +295,21 @@ async def test_the_checkpoint_reaches_the_disk_before_prepare_answers(
 
 
 def _checkpoint_fsyncs(monkeypatch: pytest.MonkeyPatch, rig: Rig) -> list[str]:
-    """The checkpoint's durable writes, as the kernel sees them (an fsync of its temp file each)."""
+    """The checkpoint's durable writes, as the kernel sees them (a flush of the file renamed into place each)."""
     import os
 
     synced: list[str] = []
-    real = os.fsync
     prefix = str(rig.root / "plugins" / DRIVER / ".checkpoint.json.")
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name)
 
-    def fsync(fd: int) -> None:
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        if path.startswith(prefix):
-            synced.append(path)
-        real(fd)
+        def flush(fd: int, real: Any = real) -> None:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if path.startswith(prefix):
+                synced.append(path)
+            real(fd)
 
-    monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, name, flush)
     return synced
 
 
@@ -437,3 +440,24 @@ async def test_the_checkpoint_file_is_the_whole_document_after_any_sequence_of_c
     await fresh.unprepare([claims[2]])
     assert path.read_text() == expected(fresh) and claims[2].uid not in path.read_text()
     assert set(json.loads(path.read_text())["claims"]) == {claims[n].uid for n in (0, 4, 5)}
+
+
+async def test_another_process_writing_twice_within_one_clock_tick_is_still_seen(rig: Rig) -> None:
+    """The checkpoint is written over two inodes in turn: two writes by the other process of a rolling update,
+    of the same size and within one tick of the file clock (coarse: milliseconds), leave inode, time and size as
+    this process last saw them. The count of writes in the lock file tells it: it reloads, and never prepares
+    from (or writes back over) what it held before."""
+    path = rig.root / "plugins" / DRIVER / "checkpoint.json"
+    claims = [rig.api.add_claim(f"c{n}", [result(f"sim-{n}")]) for n in range(2)]
+    assert (await rig.preparer.prepare(claims[:1]))[claims[0].uid].error is None
+    seen = path.stat()
+    other = rig.make()  # prepares c1, then unprepares c0: two writes, the file back to one claim's size
+    assert (await other.prepare(claims[1:]))[claims[1].uid].error is None
+    assert (await other.unprepare(claims[:1]))[claims[0].uid] is None
+    os.utime(path, ns=(seen.st_atime_ns, seen.st_mtime_ns))  # its clock did not tick in between
+    now = path.stat()
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (seen.st_ino, seen.st_size, seen.st_mtime_ns)
+    again = rig.api.add_claim("d", [result("sim-1")])
+    error = (await rig.preparer.prepare([again]))[again.uid].error or ""
+    assert f"already prepared for ResourceClaim default/{claims[1].name}" in error, error
+    assert set(json.loads(path.read_text())["claims"]) == {claims[1].uid}
