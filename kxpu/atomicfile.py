@@ -54,16 +54,26 @@ def write_atomically(path: Path, text: str, mode: int = 0o644, durable: bool = F
             os.unlink(tmp)
         raise
     if durable:
-        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        _fsync_dir(os.fspath(path.parent))
 
 
-def _open_spare(spare: str, mode: int) -> tuple[int, os.stat_result]:
-    """The spare file open for writing, created if missing; never one that has another name too (the live file,
-    after a crash midway) or that is not a regular file."""
+# Spare path → the inode this process last left there with its directory flushed: only such a spare is written over
+# at once. Any other (left by a process that crashed, or by the other process of a rolling update) may still be
+# the file's name on disk, the renames that made it the spare not flushed yet: the directory is flushed first.
+_settled: dict[str, int] = {}
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _open_spare(spare: str, mode: int) -> tuple[int, os.stat_result, bool]:
+    """The spare file open for writing, created if missing (True: made now); never one that has another name
+    too (the live file, after a crash midway) or that is not a regular file."""
     try:
         fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -74,11 +84,11 @@ def _open_spare(spare: str, mode: int) -> tuple[int, os.stat_result]:
     if fd >= 0:
         st = os.fstat(fd)
         if st.st_nlink == 1 and stat.S_ISREG(st.st_mode):
-            return fd, st
+            return fd, st, False
         os.close(fd)
         os.unlink(spare)
     fd = os.open(spare, _FLAGS, mode)
-    return fd, os.fstat(fd)
+    return fd, os.fstat(fd), True
 
 
 def replace_durably(path: Path, text: str, mode: int = 0o600) -> None:
@@ -97,11 +107,14 @@ def replace_durably(path: Path, text: str, mode: int = 0o600) -> None:
     retired = os.path.join(directory, f".{path.name}.retired")
     data = text.encode()
     try:
-        fd, st = _open_spare(spare, mode)
+        fd, st, made = _open_spare(spare, mode)
     except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, st = _open_spare(spare, mode)
+        fd, st, made = _open_spare(spare, mode)
     try:
+        if not made and _settled.get(spare) != st.st_ino:
+            _fsync_dir(directory)
+        _settled.pop(spare, None)  # written over from here: settled again only once renamed and flushed
         if stat.S_IMODE(st.st_mode) != mode:
             os.fchmod(fd, mode)
         written = 0
@@ -109,9 +122,8 @@ def replace_durably(path: Path, text: str, mode: int = 0o600) -> None:
             written += os.pwrite(fd, data[written:], written)
         if st.st_size != len(data):
             os.ftruncate(fd, len(data))
-        os.fdatasync(
-            fd
-        )  # the content, and the size where it changed: what a reader of the renamed file needs
+        # The content, and the size where it changed: what a reader of the renamed file needs.
+        os.fdatasync(fd)
     finally:
         os.close(fd)
     try:
@@ -120,9 +132,7 @@ def replace_durably(path: Path, text: str, mode: int = 0o600) -> None:
         except FileExistsError:  # left by a crash midway
             os.unlink(retired)
             os.link(name, retired, follow_symlinks=False)
-    except (
-        OSError
-    ):  # the first write; or no hard links here: the old inode goes, a new spare is made next time
+    except OSError:  # the first write, or no hard links: the old inode goes, the next write makes a spare
         retired = ""
     try:
         os.replace(spare, name)
@@ -133,8 +143,6 @@ def replace_durably(path: Path, text: str, mode: int = 0o600) -> None:
         raise
     if retired:
         os.replace(retired, spare)
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(directory)
+    if retired:
+        _settled[spare] = os.stat(spare, follow_symlinks=False).st_ino

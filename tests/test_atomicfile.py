@@ -117,3 +117,36 @@ def test_a_replace_interrupted_anywhere_is_finished_by_the_next(tmp_path: Path) 
     replace_durably(path, "five")
     assert path.read_text() == "five" and not (tmp_path / "elsewhere").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.json.spare", "checkpoint.json"]
+
+
+def test_a_spare_this_process_did_not_settle_is_flushed_before_it_is_written_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a crash (or the other process of a rolling update) the spare may be the file's name on disk still,
+    its renames not flushed: written over in place, a power loss then would leave the file half written. The
+    directory is flushed before such a spare is touched; a spare this process settled itself is not."""
+    from kxpu import atomicfile
+
+    path = tmp_path / "checkpoint.json"
+    atomicfile.replace_durably(path, "one")
+    atomicfile.replace_durably(path, "two")
+    steps: list[str] = []
+    fsync, pwrite = os.fsync, os.pwrite
+
+    def flush(fd: int) -> None:
+        steps.append("flush " + os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def write(fd: int, data: bytes, offset: int) -> int:
+        steps.append("write " + os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "fsync", flush)
+    monkeypatch.setattr(os, "pwrite", write)
+    atomicfile.replace_durably(path, "three")
+    assert steps == ["write .checkpoint.json.spare", f"flush {tmp_path.name}"]  # settled by this process
+    steps.clear()
+    atomicfile._settled.clear()  # a new process
+    atomicfile.replace_durably(path, "four")
+    assert steps == [f"flush {tmp_path.name}", "write .checkpoint.json.spare", f"flush {tmp_path.name}"]
+    assert path.read_text() == "four"

@@ -57,7 +57,7 @@ from kxpu.dra.checkpoint import (
 from kxpu.dra.claim_cache import ClaimCache
 from kxpu.dra.claims import AllocatedDevice, ClaimAllocation, ClaimError, allocation_for
 from kxpu.dra.config import DraSharesConfig
-from kxpu.dra.metadata import MetadataDevice, MetadataWriter, pod_claim_name
+from kxpu.dra.metadata import CDI_CLASS, MetadataDevice, MetadataWriter, pod_claim_name
 from kxpu.dra.names import claim_cdi_device, claim_cdi_kind, device_name, parent_request
 from kxpu.dra.quantity import as_mib, parse_quantity
 from kxpu.dra.slices import SharePolicy, device_attributes
@@ -188,6 +188,7 @@ class Preparer:
         self._reads_cache = metrics.CLAIM_READS.labels(driver, "cache")
         self._reads_api = metrics.CLAIM_READS.labels(driver, "api")
         self._spec_prefix = f"kxpu-dra-{driver}-"
+        self._metadata_ids = f"{driver}/{CDI_CLASS}="  # how the CDI IDs of metadata files start
 
     @property
     def _policy(self) -> SharePolicy:
@@ -930,12 +931,12 @@ class Preparer:
                 except Exception as exc:
                     results[ref.uid] = self._unprepare_failure(ref, "cannot destroy its partitions", exc)
                     continue
-            paths = {self.spec_path(ref.uid)}
-            if known is not None and known.cdi_spec:
-                paths.add(Path(known.cdi_spec))
+            path = os.path.join(self.cdi_dir, f"{self._spec_prefix}{ref.uid}.json")
+            paths = {path, known.cdi_spec or path} if known is not None else {path}
             try:
                 for path in paths:
-                    path.unlink(missing_ok=True)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
                 if known is not None:
                     self._remove_metadata(ref.uid, known)
             except OSError as exc:
@@ -969,8 +970,11 @@ class Preparer:
     def _remove_metadata(self, uid: str, known: PreparedClaim) -> None:
         """The claim's metadata files, if it was prepared with them (its CDI IDs say so, whatever
         dra.deviceMetadata says now)."""
+        ids = [c for d in known.devices for c in d.cdi_device_ids if c.startswith(self._metadata_ids)]
+        if not ids:
+            return
         writer = self.metadata or MetadataWriter(self.driver, self.metadata_dir, self.cdi_dir)
-        requests = writer.requests_of(c for d in known.devices for c in d.cdi_device_ids)
+        requests = writer.requests_of(ids)
         if requests:
             writer.remove(known.namespace, known.name, uid, requests)
 
