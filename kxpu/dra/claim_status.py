@@ -24,7 +24,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,13 +60,15 @@ class ClaimStatusApi(Protocol):
         ...
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def _timestamp(at: float | None = None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
-def device_status(driver: str, node: str, prepared: PreparedDevice, device: Device | None) -> dict[str, Any]:
-    """One ``status.devices`` entry: the device as prepared for the claim."""
-    now = _now()
+def device_status(
+    driver: str, node: str, prepared: PreparedDevice, device: Device | None, at: float | None = None
+) -> dict[str, Any]:
+    """One ``status.devices`` entry: the device as prepared for the claim (at ``at``, a ``time.time()``: now)."""
+    now = _timestamp(at)
     data: dict[str, Any] = {"id": prepared.id}
     healthy = True
     reason = ""
@@ -123,7 +125,9 @@ def device_status(driver: str, node: str, prepared: PreparedDevice, device: Devi
 @dataclass(slots=True)
 class _Pending:
     ref: ClaimRef
-    devices: list[dict[str, Any]] | None  # None: remove this driver's entries
+    # The entries, or what makes them when they go out (most claims of a burst are never sent); None: remove this
+    # driver's entries.
+    devices: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]] | None
     due: float  # time.monotonic() from which it may be sent
 
 
@@ -159,11 +163,16 @@ class ClaimStatusWriter:
     def prepared(
         self, ref: ClaimRef, node: str, devices: Sequence[tuple[PreparedDevice, Device | None]]
     ) -> None:
-        """A claim was just prepared: queue its entries (never blocks)."""
-        self.report(ref, [device_status(self.driver, node, p, d) for p, d in devices])
+        """A claim was just prepared: queue its entries, made when they go out (never blocks)."""
+        if not devices:
+            return
+        at, held = time.time(), tuple(devices)
+        self.report(ref, lambda: [device_status(self.driver, node, p, d, at) for p, d in held])
 
-    def report(self, ref: ClaimRef, devices: list[dict[str, Any]]) -> None:
-        """Entries for a claim (never blocks)."""
+    def report(
+        self, ref: ClaimRef, devices: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]]
+    ) -> None:
+        """Entries for a claim, or what makes them (never blocks)."""
         if not devices:
             return
         due = time.monotonic() + self.settle_s
@@ -241,6 +250,8 @@ class ClaimStatusWriter:
             for attempt in range(len(RETRY_DELAYS) + 1):
                 try:
                     self.writes += 1
+                    if callable(item.devices):
+                        item.devices = item.devices()
                     await self.api.apply_claim_status(ref.namespace, ref.name, ref.uid, item.devices or [])
                 except StatusWriteError as exc:
                     if exc.transient and attempt < len(RETRY_DELAYS):
