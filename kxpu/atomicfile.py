@@ -96,20 +96,23 @@ def replace_durably(path: Path, text: str, mode: int = 0o600) -> None:
     call (the DRA checkpoint), where creating and freeing an inode each time costs more CPU than the write itself
     (a filesystem's inode allocation, the discard of the freed blocks).
 
-    The inode the previous replace retired is kept as ``.<name>.spare`` beside ``path`` and written over in place
-    (flushed), then renamed over ``path``; the inode ``path`` had is linked aside first and becomes the next spare.
-    Readers see the old content or the new, whole, as with a rename of a new file; a power loss leaves one of
-    them. Writers of one path must take turns (the checkpoint's lock): they share the spare. A reader that holds
-    the file open across two replaces reads the second one's bytes over the first's: readers read at once."""
+    The inode the previous replace retired is kept as ``spare`` in ``.<name>.spares/`` beside ``path`` and written
+    over in place (flushed), then renamed over ``path``; the inode ``path`` had is linked aside first (``retired``)
+    and becomes the next spare. In a directory of their own, those links and renames are no changes of ``path``'s
+    directory to whoever watches it (the DRA driver watches its sockets' directory): one rename shows there, as for
+    a new file. Readers see the old content or the new, whole, as with a rename of a new file; a power loss leaves
+    one of them. Writers of one path must take turns (the checkpoint's lock): they share the spare. A reader that
+    holds the file open across two replaces reads the second one's bytes over the first's: readers read at once."""
     directory = os.path.dirname(os.fspath(path))
     name = os.fspath(path)
-    spare = os.path.join(directory, f".{path.name}.spare")
-    retired = os.path.join(directory, f".{path.name}.retired")
+    spares = os.path.join(directory, f".{path.name}.spares")
+    spare = os.path.join(spares, "spare")
+    retired = os.path.join(spares, "retired")
     data = text.encode()
     try:
         fd, st, made = _open_spare(spare, mode)
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(spares, mode=0o700, exist_ok=True)
         fd, st, made = _open_spare(spare, mode)
     try:
         if not made and _settled.get(spare) != st.st_ino:

@@ -92,7 +92,8 @@ def test_a_file_replaced_on_every_call_reuses_two_inodes(tmp_path: Path, umask: 
         assert path.read_text() == text and stat.S_IMODE(path.stat().st_mode) == 0o600
         inodes.add(path.stat().st_ino)
     assert len(inodes) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.json.spare", "checkpoint.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.json.spares", "checkpoint.json"]
+    assert [p.name for p in (tmp_path / ".checkpoint.json.spares").iterdir()] == ["spare"]
 
 
 def test_a_replace_interrupted_anywhere_is_finished_by_the_next(tmp_path: Path) -> None:
@@ -101,7 +102,10 @@ def test_a_replace_interrupted_anywhere_is_finished_by_the_next(tmp_path: Path) 
     from kxpu.atomicfile import replace_durably
 
     path = tmp_path / "checkpoint.json"
-    spare, retired = tmp_path / ".checkpoint.json.spare", tmp_path / ".checkpoint.json.retired"
+    spare, retired = (
+        tmp_path / ".checkpoint.json.spares" / "spare",
+        tmp_path / ".checkpoint.json.spares" / "retired",
+    )
     replace_durably(path, "one")
     replace_durably(path, "two")
     os.link(path, retired)  # crashed after keeping the live inode aside, before the rename
@@ -116,7 +120,8 @@ def test_a_replace_interrupted_anywhere_is_finished_by_the_next(tmp_path: Path) 
     spare.symlink_to(tmp_path / "elsewhere")  # not ours to write through
     replace_durably(path, "five")
     assert path.read_text() == "five" and not (tmp_path / "elsewhere").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.json.spare", "checkpoint.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.json.spares", "checkpoint.json"]
+    assert [p.name for p in spare.parent.iterdir()] == ["spare"]
 
 
 def test_a_spare_this_process_did_not_settle_is_flushed_before_it_is_written_over(
@@ -144,9 +149,9 @@ def test_a_spare_this_process_did_not_settle_is_flushed_before_it_is_written_ove
     monkeypatch.setattr(os, "fsync", flush)
     monkeypatch.setattr(os, "pwrite", write)
     atomicfile.replace_durably(path, "three")
-    assert steps == ["write .checkpoint.json.spare", f"flush {tmp_path.name}"]  # settled by this process
+    assert steps == ["write spare", f"flush {tmp_path.name}"]  # settled by this process
     steps.clear()
     atomicfile._settled.clear()  # a new process
     atomicfile.replace_durably(path, "four")
-    assert steps == [f"flush {tmp_path.name}", "write .checkpoint.json.spare", f"flush {tmp_path.name}"]
+    assert steps == [f"flush {tmp_path.name}", "write spare", f"flush {tmp_path.name}"]
     assert path.read_text() == "four"

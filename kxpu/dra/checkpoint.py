@@ -12,7 +12,7 @@ work from what is on disk. One JSON file per driver, replaced atomically after e
      "unreleased": [{…a partition's handle…}], "releasing": ["<claim UID>"]}
 
 Written under the driver's checkpoint lock with ``atomicfile.replace_durably``: flushed, renamed into place and
-the rename flushed, over two inodes in turn (``.checkpoint.json.spare`` is the other one), the count of writes
+the rename flushed, over two inodes in turn (``.checkpoint.json.spares/spare`` is the other one), the count of writes
 kept in the lock file (``kxpu.dra.instances``); a save outside the lock (a release finishing after its call)
 writes a new file instead.
 
