@@ -149,3 +149,29 @@ def replace_durably(path: Path, text: str, mode: int = 0o600) -> None:
     _fsync_dir(directory)
     if retired:
         _settled[spare] = os.stat(spare, follow_symlinks=False).st_ino
+
+
+def write_over(spare: str, path: Path, text: str, mode: int = 0o644) -> bool:
+    """``write_atomically(path, text, mode)`` into ``spare``, a file this process set aside (renamed out of sight,
+    never linked) instead of a new one: written over in place, then renamed over ``path``. False, with nothing
+    written, when ``spare`` is gone or is not such a file (the caller writes a new file then)."""
+    try:
+        fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_nlink != 1 or not stat.S_ISREG(st.st_mode):
+            return False
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+        data = text.encode()
+        written = 0
+        while written < len(data):
+            written += os.pwrite(fd, data[written:], written)
+        if st.st_size != len(data):
+            os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+    os.replace(spare, path)
+    return True

@@ -461,3 +461,40 @@ async def test_another_process_writing_twice_within_one_clock_tick_is_still_seen
     error = (await rig.preparer.prepare([again]))[again.uid].error or ""
     assert f"already prepared for ResourceClaim default/{claims[1].name}" in error, error
     assert set(json.loads(path.read_text())["claims"]) == {claims[1].uid}
+
+
+async def test_cdi_specs_of_unprepared_claims_are_written_over_for_the_next_claims(rig: Rig) -> None:
+    """Making and freeing a file per claim costs some filesystems more CPU than the write: an unprepared claim's
+    spec is renamed out of sight (CDI reads no subdirectory of its spec directories) and written over for the
+    next claim. The CDI directory only ever shows the prepared claims' specs, each whole; a spare that is gone,
+    or is not a plain file of its own, is never written through; spares go at start."""
+    claims = [rig.api.add_claim(f"c{n}", [result("sim-0")]) for n in range(5)]
+    inodes = set()
+    for claim in claims:
+        assert (await rig.preparer.prepare([claim]))[claim.uid].error is None
+        spec = rig.preparer.spec_path(claim.uid)
+        inodes.add(spec.stat().st_ino)
+        assert validate_spec(rig.spec(claim.uid)) == [] and claim.uid in spec.read_text()
+        assert sorted(p.name for p in rig.cdi.glob("*.json")) == [spec.name]
+        assert (await rig.preparer.unprepare([claim]))[claim.uid] is None
+        assert list(rig.cdi.glob("*.json")) == []
+    assert len(inodes) == 1  # the first claim's file, set aside and written over for each next one
+    # A spare replaced behind the driver's back by a link to another file, or by a symlink: not written through.
+    (spare,) = rig.preparer._spares
+    victim = rig.root / "victim"
+    victim.write_text("keep")
+    os.unlink(spare)
+    os.link(victim, spare)
+    again = rig.api.add_claim("d", [result("sim-1")])
+    assert (await rig.preparer.prepare([again]))[again.uid].error is None
+    assert victim.read_text() == "keep" and validate_spec(rig.spec(again.uid)) == []
+    assert (await rig.preparer.unprepare([again]))[again.uid] is None
+    (spare,) = rig.preparer._spares
+    os.unlink(spare)
+    os.symlink(victim, spare)
+    assert (await rig.preparer.prepare([claims[0]]))[claims[0].uid].error is None
+    assert victim.read_text() == "keep" and validate_spec(rig.spec(claims[0].uid)) == []
+    assert (await rig.preparer.unprepare([claims[0]]))[claims[0].uid] is None
+    fresh = rig.make()  # a new process: the spares of the last one go
+    fresh.remove_orphan_specs()
+    assert [p.name for p in rig.cdi.iterdir()] == []
