@@ -20,8 +20,8 @@ the ratios to the Go driver. ``--baseline TREE`` runs kxpu from another source t
 earlier commit) and from this one, both as ``python -S -m kxpu`` with the same claims: before and after in one
 run. ``--foreign N`` then creates N claims allocated to other nodes' pools while kxpu
 (with its cache) runs, and reports its RSS before and after and what its cache holds. ``--status`` adds kxpu
-runs that hold every claim prepared until its ``status.devices`` entries are in the API, then unprepare them all
-until the entries are gone, with ``dra.claimStatus`` on and off (for ``--baseline``, on, from both trees): the
+runs that hold the claims prepared (64 at a time, one per device) until their ``status.devices`` entries are in
+the API, then unprepare them until the entries are gone, with ``dra.claimStatus`` on and off (for ``--baseline``, on, from both trees): the
 CPU those writes cost per claim (the one-at-a-time runs unprepare each claim before its entries are due).
 
 ``python bench/bench_dra_vs_go.py [--claims 300] [--foreign 0] [--rounds 1] [--baseline TREE] [--status] [--json]
@@ -330,15 +330,18 @@ async def run_contender(
             if answer_u.claims[ref.uid].error:
                 raise RuntimeError(f"{c.name}: unprepare failed: {answer_u.claims[ref.uid].error}")
 
-        if c.hold:
-            for ref in refs:
-                await prepare_one(ref)
-            if "no-status" not in c.name:
-                await wait_for(lambda: status_entries(client, c.driver, len(refs)), 300, "status.devices")
-            for ref in refs:
-                await unprepare_one(ref)
-            if "no-status" not in c.name:
-                await wait_for(lambda: status_entries(client, c.driver, 0), 300, "status.devices gone")
+        if c.hold:  # as many claims at once as there are devices (the claims share them round robin)
+            for start in range(0, len(refs), DEVICES):
+                batch = refs[start : start + DEVICES]
+                held = len(batch)
+                for ref in batch:
+                    await prepare_one(ref)
+                if "no-status" not in c.name:
+                    await wait_for(lambda: status_entries(client, c.driver, held), 300, "status.devices")
+                for ref in batch:
+                    await unprepare_one(ref)
+                if "no-status" not in c.name:
+                    await wait_for(lambda: status_entries(client, c.driver, 0), 300, "status.devices gone")
         else:
             for ref in refs:
                 await prepare_one(ref)
