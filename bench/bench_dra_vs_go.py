@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -333,15 +334,16 @@ async def run_contender(
         if c.hold:  # as many claims at once as there are devices (the claims share them round robin)
             for start in range(0, len(refs), DEVICES):
                 batch = refs[start : start + DEVICES]
-                held = len(batch)
                 for ref in batch:
                     await prepare_one(ref)
                 if "no-status" not in c.name:
-                    await wait_for(lambda: status_entries(client, c.driver, held), 300, "status.devices")
+                    written = functools.partial(status_entries, client, c.driver, len(batch))
+                    await wait_for(written, 300, "status.devices")
                 for ref in batch:
                     await unprepare_one(ref)
                 if "no-status" not in c.name:
-                    await wait_for(lambda: status_entries(client, c.driver, 0), 300, "status.devices gone")
+                    removed = functools.partial(status_entries, client, c.driver, 0)
+                    await wait_for(removed, 300, "status.devices gone")
         else:
             for ref in refs:
                 await prepare_one(ref)
