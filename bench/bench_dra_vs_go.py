@@ -443,25 +443,33 @@ async def bench(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
                     got = await run_contender(client, contender, cluster.kubeconfig, claims)
                     for k, v in got.items():
                         results.setdefault(contender.name, {}).setdefault(k, []).append(v)
-                if (
-                    args.status
-                ):  # every claim prepared, its status written, then unprepared, its entries removed
-                    for contender in (
+                runs: list[Contender] = []
+                if args.baseline is not None:
+                    runs += [
+                        KxpuFromTree(Path(tempfile.mkdtemp(dir=tmp)), tree, name)
+                        for name, tree in (("kxpu-start@baseline", args.baseline), ("kxpu-start@tree", REPO))
+                    ]
+                if args.status:  # the claims held prepared until their status is written, then unprepared
+                    runs += [
                         Kxpu(Path(tempfile.mkdtemp(dir=tmp)), cache=True, hold=True),
                         Kxpu(Path(tempfile.mkdtemp(dir=tmp)), cache=True, status=False, hold=True),
-                    ):
-                        got = await run_contender(client, contender, cluster.kubeconfig, args.claims)
-                        for k, v in got.items():
-                            results.setdefault(contender.name, {}).setdefault(k, []).append(v)
-                if args.baseline is not None:
-                    trees = [("kxpu-start@baseline", args.baseline, False), ("kxpu-start@tree", REPO, False)]
-                    if args.status:
-                        trees += [("kxpu-held@baseline", args.baseline, True), ("kxpu-held@tree", REPO, True)]
-                    for name, tree, hold in trees:
-                        contender = KxpuFromTree(Path(tempfile.mkdtemp(dir=tmp)), tree, name, hold)
-                        got = await run_contender(client, contender, cluster.kubeconfig, args.claims)
-                        for k, v in got.items():
-                            results.setdefault(name, {}).setdefault(k, []).append(v)
+                    ]
+                    if args.baseline is not None:
+                        runs += [
+                            KxpuFromTree(Path(tempfile.mkdtemp(dir=tmp)), tree, name, hold=True)
+                            for name, tree in (
+                                ("kxpu-held@baseline", args.baseline),
+                                ("kxpu-held@tree", REPO),
+                            )
+                        ]
+                for run in runs:
+                    try:
+                        got = await run_contender(client, run, cluster.kubeconfig, args.claims)
+                    except Exception as exc:  # the figures of the other runs still come out
+                        print(f"{run.name}: {exc}", file=sys.stderr)
+                        continue
+                    for k, v in got.items():
+                        results.setdefault(run.name, {}).setdefault(k, []).append(v)
             if args.foreign:
                 results["foreign"] = await foreign(
                     client,
