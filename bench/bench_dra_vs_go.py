@@ -534,7 +534,7 @@ def table(results: dict[str, Any]) -> str:
             f"by GET {results[name].get('claim_reads_api', 0):g}"
         )
     for mode, what in (("start", "one claim at a time"), ("held", "all claims held, status.devices written")):
-        if f"kxpu-{mode}@baseline" not in results:
+        if f"kxpu-{mode}@baseline" not in results or f"kxpu-{mode}@tree" not in results:
             continue
         before, after = results[f"kxpu-{mode}@baseline"], results[f"kxpu-{mode}@tree"]
         lines.append(
@@ -545,7 +545,7 @@ def table(results: dict[str, Any]) -> str:
             if key in before and key in after:
                 ratio = f"{after[key] / before[key]:.2f}x" if before[key] else ""
                 lines.append(f"| {title} | {before[key]} | {after[key]} | {ratio} |")
-    if "kxpu-held" in results:
+    if "kxpu-held" in results and "kxpu-held-no-status" in results:
         held, quiet = results["kxpu-held"], results["kxpu-held-no-status"]
         lines.append(
             f"\nall claims held (prepared, then unprepared): CPU per claim {held['cpu_ms_per_claim']} ms with "
