@@ -498,3 +498,14 @@ async def test_cdi_specs_of_unprepared_claims_are_written_over_for_the_next_clai
     fresh = rig.make()  # a new process: the spares of the last one go
     fresh.remove_orphan_specs()
     assert [p.name for p in rig.cdi.iterdir()] == []
+
+
+async def test_a_spec_that_cannot_be_set_aside_is_removed(rig: Rig) -> None:
+    """The spares' directory cannot be made (a file in its place, a read-only mount): the spec goes as before,
+    and unprepare answers success."""
+    claim = rig.api.add_claim("c", [result("sim-0")])
+    assert (await rig.preparer.prepare([claim]))[claim.uid].error is None
+    (rig.cdi / f".kxpu-dra-{DRIVER}.spares").write_text("not a directory")
+    assert (await rig.preparer.unprepare([claim]))[claim.uid] is None
+    assert not rig.preparer.spec_path(claim.uid).exists() and rig.preparer._spares == []
+    assert (await rig.preparer.unprepare([claim]))[claim.uid] is None  # asked again: nothing to remove

@@ -900,10 +900,16 @@ class Preparer:
             try:
                 os.replace(path, spare)
             except FileNotFoundError:
-                if not os.path.isdir(self._spares_dir):  # the first one (or the directory was removed)
+                if not os.path.exists(path):
+                    return  # no spec (the kubelet repeats unprepares)
+                try:  # the first one (or the directory was removed)
                     os.makedirs(self._spares_dir, mode=0o755, exist_ok=True)
-                    return self._retire_spec(path)
-                return
+                    os.replace(path, spare)
+                except OSError:
+                    pass  # removed as before
+                else:
+                    self._spares.append(spare)
+                    return
             except OSError:  # another filesystem, a directory we cannot write: removed as before
                 pass
             else:
