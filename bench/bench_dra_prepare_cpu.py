@@ -1,8 +1,8 @@
 """The DRA driver's own CPU per claim, over its real socket, with the API server out of the way; and its profile.
 
 A server process runs kxpu's ``Preparer`` (64 simulated devices, the checkpoint and CDI specs on disk) behind
-the DRAPlugin v1 service on a unix socket, its claims from the in-memory ``FakeDraApi`` (what the claim cache
-answers in a daemon: no round trip); this process calls ``NodePrepareResources`` then
+the DRAPlugin v1 service on a unix socket, its claims in its claim cache as the watch would have put them there
+(what answers prepare in a daemon: no round trip); this process calls ``NodePrepareResources`` then
 ``NodeUnprepareResources`` for each claim, one at a time, as the kubelet does for a pod, after a warm-up.
 Reported: the server's CPU time per claim (prepare + unprepare), prepare p50, and the same for a bare grpc.aio
 server answering the same calls with fixed answers (the floor). ``--baseline TREE`` runs another kxpu source
@@ -50,6 +50,7 @@ async def serve(work: Path, claims: int, bare: bool, profile: str | None) -> Non
     """The server side (``--serve``): writes the claims' references to ``work/refs.json``, then ``work/ready``."""
     from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
     from kxpu.dra.checkpoint import Checkpoint
+    from kxpu.dra.claim_cache import ClaimCache
     from kxpu.dra.prepare import Preparer
     from kxpu.dra.service import DraPluginServicer
     from kxpu.logs import configure_logging
@@ -77,6 +78,10 @@ async def serve(work: Path, claims: int, bare: bool, profile: str | None) -> Non
         checkpoint.load()
         devices = index_by_id(backend.discover())
         preparer = Preparer(DRIVER, NODE, backend, devices, checkpoint, work / "cdi", api)
+        preparer.claim_cache = cache = ClaimCache(DRIVER, NODE)
+        for claim in api.claims.values():
+            cache.apply("ADDED", claim)
+        cache.synced = True
         dra_grpc.add_DRAPluginServicer_to_server(DraPluginServicer(preparer, NODE), server)
     server.add_insecure_port(f"unix://{work}/dra.sock")
     await server.start()

@@ -19,9 +19,12 @@ NodeUnprepareResources p50, the driver's CPU per claim (prepare + unprepare), it
 the ratios to the Go driver. ``--baseline TREE`` runs kxpu from another source tree (a git worktree of an
 earlier commit) and from this one, both as ``python -S -m kxpu`` with the same claims: before and after in one
 run. ``--foreign N`` then creates N claims allocated to other nodes' pools while kxpu
-(with its cache) runs, and reports its RSS before and after and what its cache holds.
+(with its cache) runs, and reports its RSS before and after and what its cache holds. ``--status`` adds kxpu
+runs that hold the claims prepared (64 at a time, one per device) until their ``status.devices`` entries are in
+the API, then unprepare them until the entries are gone, with ``dra.claimStatus`` on and off (for ``--baseline``, on, from both trees): the
+CPU those writes cost per claim (the one-at-a-time runs unprepare each claim before its entries are due).
 
-``python bench/bench_dra_vs_go.py [--claims 300] [--foreign 0] [--rounds 1] [--baseline TREE] [--json]
+``python bench/bench_dra_vs_go.py [--claims 300] [--foreign 0] [--rounds 1] [--baseline TREE] [--status] [--json]
 [--full-cluster]``; ``--startup RUNS [--baseline TREE]``: only exec → registered, without a cluster.
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -73,7 +77,11 @@ def go_binary() -> Path:
 
 
 class Contender:
-    """One driver process in its own directory (kubelet plugin and registry directories, CDI specs)."""
+    """One driver process in its own directory (kubelet plugin and registry directories, CDI specs). ``hold``:
+    every claim is prepared before the first is unprepared, and the driver's status.devices entries are waited
+    for after each half (what the claim-status writes cost)."""
+
+    hold = False
 
     def __init__(self, name: str, driver: str, device: str, work: Path) -> None:
         self.name, self.driver, self.device = name, driver, device
@@ -122,8 +130,14 @@ class Contender:
 
 
 class Kxpu(Contender):
-    def __init__(self, work: Path, cache: bool) -> None:
-        super().__init__("kxpu" if cache else "kxpu-no-cache", KXPU_DRIVER, "sim-{i}", work)
+    def __init__(self, work: Path, cache: bool, status: bool = True, hold: bool = False) -> None:
+        name = (
+            ("kxpu" if cache else "kxpu-no-cache")
+            + ("-held" if hold else "")
+            + ("" if status else "-no-status")
+        )
+        super().__init__(name, KXPU_DRIVER, "sim-{i}", work)
+        self.hold = hold
         self.metrics_port = HTTP_PORT
         config = {
             "version": "v1",
@@ -137,7 +151,8 @@ class Kxpu(Contender):
                     "serve": "dra",
                     # claimCache only when off: a --baseline tree from before the cache has no such key.
                     "dra": {"nodeName": NODE, "cdiSpecDir": str(self.cdi)}
-                    | ({} if cache else {"claimCache": False}),
+                    | ({} if cache else {"claimCache": False})
+                    | ({} if status else {"claimStatus": False}),
                 }
             ],
         }
@@ -160,8 +175,8 @@ class KxpuFromTree(Kxpu):
     """``kxpu plugin`` from another source tree (``--baseline``) or this one, started the same way for both
     (``python -S -m kxpu``, the tree and this venv's site-packages on the path): start-up only."""
 
-    def __init__(self, work: Path, tree: Path, name: str) -> None:
-        super().__init__(work, cache=True)
+    def __init__(self, work: Path, tree: Path, name: str, hold: bool = False) -> None:
+        super().__init__(work, cache=True, hold=hold)
         self.name, self.tree = name, tree
         self.metrics_port = None
 
@@ -249,6 +264,15 @@ async def delete_claims(client: AsyncClient) -> None:
     await gather_limited(32, [delete(n) for n in names])
 
 
+async def status_entries(client: AsyncClient, driver: str, expected: int) -> bool:
+    """Whether exactly ``expected`` of the bench's claims carry ``driver``'s entries in status.devices."""
+    found = 0
+    async for claim in client.list(ResourceClaim, namespace=NS, labels={LABEL: "true"}, chunk_size=500):
+        devices = claim.status.devices if claim.status is not None else None
+        found += any(d.driver == driver for d in devices or [])
+    return found == expected
+
+
 async def wait_for(check: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not await check():
@@ -291,18 +315,39 @@ async def run_contender(
         assert c.proc is not None
         cpu0 = cpu_seconds(c.proc.pid)
         prepare, unprepare = [], []
-        for ref in refs:
+
+        async def prepare_one(ref: ClaimRef) -> None:
             t0 = time.perf_counter()
             answer = await kubelet.prepare(c.driver, ref)
             prepare.append((time.perf_counter() - t0) * 1000)
             error = answer.claims[ref.uid].error
             if error:
                 raise RuntimeError(f"{c.name}: prepare failed: {error}")
+
+        async def unprepare_one(ref: ClaimRef) -> None:
             t0 = time.perf_counter()
             answer_u = await kubelet.unprepare(c.driver, ref)
             unprepare.append((time.perf_counter() - t0) * 1000)
             if answer_u.claims[ref.uid].error:
                 raise RuntimeError(f"{c.name}: unprepare failed: {answer_u.claims[ref.uid].error}")
+
+        if c.hold:  # as many claims at once as there are devices (the claims share them round robin)
+            for start in range(0, len(refs), DEVICES):
+                batch = refs[start : start + DEVICES]
+                for ref in batch:
+                    await prepare_one(ref)
+                if "no-status" not in c.name:
+                    written = functools.partial(status_entries, client, c.driver, len(batch))
+                    await wait_for(written, 300, "status.devices")
+                for ref in batch:
+                    await unprepare_one(ref)
+                if "no-status" not in c.name:
+                    removed = functools.partial(status_entries, client, c.driver, 0)
+                    await wait_for(removed, 300, "status.devices gone")
+        else:
+            for ref in refs:
+                await prepare_one(ref)
+                await unprepare_one(ref)
         cpu = cpu_seconds(c.proc.pid) - cpu0
         out.update(
             {
@@ -398,12 +443,33 @@ async def bench(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
                     got = await run_contender(client, contender, cluster.kubeconfig, claims)
                     for k, v in got.items():
                         results.setdefault(contender.name, {}).setdefault(k, []).append(v)
+                runs: list[Contender] = []
                 if args.baseline is not None:
-                    for name, tree in (("kxpu-start@baseline", args.baseline), ("kxpu-start@tree", REPO)):
-                        contender = KxpuFromTree(Path(tempfile.mkdtemp(dir=tmp)), tree, name)
-                        got = await run_contender(client, contender, cluster.kubeconfig, args.claims)
-                        for k, v in got.items():
-                            results.setdefault(name, {}).setdefault(k, []).append(v)
+                    runs += [
+                        KxpuFromTree(Path(tempfile.mkdtemp(dir=tmp)), tree, name)
+                        for name, tree in (("kxpu-start@baseline", args.baseline), ("kxpu-start@tree", REPO))
+                    ]
+                if args.status:  # the claims held prepared until their status is written, then unprepared
+                    runs += [
+                        Kxpu(Path(tempfile.mkdtemp(dir=tmp)), cache=True, hold=True),
+                        Kxpu(Path(tempfile.mkdtemp(dir=tmp)), cache=True, status=False, hold=True),
+                    ]
+                    if args.baseline is not None:
+                        runs += [
+                            KxpuFromTree(Path(tempfile.mkdtemp(dir=tmp)), tree, name, hold=True)
+                            for name, tree in (
+                                ("kxpu-held@baseline", args.baseline),
+                                ("kxpu-held@tree", REPO),
+                            )
+                        ]
+                for run in runs:
+                    try:
+                        got = await run_contender(client, run, cluster.kubeconfig, args.claims)
+                    except Exception as exc:  # the figures of the other runs still come out
+                        print(f"{run.name}: {exc}", file=sys.stderr)
+                        continue
+                    for k, v in got.items():
+                        results.setdefault(run.name, {}).setdefault(k, []).append(v)
             if args.foreign:
                 results["foreign"] = await foreign(
                     client,
@@ -467,14 +533,25 @@ def table(results: dict[str, Any]) -> str:
             f"{name}: claims read from the cache {results[name].get('claim_reads_cache', 0):g}, "
             f"by GET {results[name].get('claim_reads_api', 0):g}"
         )
-    if "kxpu-start@baseline" in results:
-        before, after = results["kxpu-start@baseline"], results["kxpu-start@tree"]
-        lines.append("\n--baseline against this tree, both started as `python -S -m kxpu`, same claims:")
+    for mode, what in (("start", "one claim at a time"), ("held", "all claims held, status.devices written")):
+        if f"kxpu-{mode}@baseline" not in results or f"kxpu-{mode}@tree" not in results:
+            continue
+        before, after = results[f"kxpu-{mode}@baseline"], results[f"kxpu-{mode}@tree"]
+        lines.append(
+            f"\n--baseline against this tree ({what}), both started as `python -S -m kxpu`, same claims:"
+        )
         lines.append("| | baseline | this tree | tree / baseline |\n|---|---|---|---|")
         for title, key in rows:
             if key in before and key in after:
                 ratio = f"{after[key] / before[key]:.2f}x" if before[key] else ""
                 lines.append(f"| {title} | {before[key]} | {after[key]} | {ratio} |")
+    if "kxpu-held" in results and "kxpu-held-no-status" in results:
+        held, quiet = results["kxpu-held"], results["kxpu-held-no-status"]
+        lines.append(
+            f"\nall claims held (prepared, then unprepared): CPU per claim {held['cpu_ms_per_claim']} ms with "
+            f"claim-status writes, {quiet['cpu_ms_per_claim']} ms without: "
+            f"{held['cpu_ms_per_claim'] - quiet['cpu_ms_per_claim']:.2f} ms per claim for its two status writes"
+        )
     if "foreign" in results:
         f = results["foreign"]
         lines.append(
@@ -504,6 +581,11 @@ def main() -> int:
         type=int,
         metavar="RUNS",
         help="only exec → registered, without a cluster (no root): RUNS interleaved runs of each",
+    )
+    parser.add_argument(
+        "--status",
+        action="store_true",
+        help="also hold every claim prepared until kxpu wrote its status.devices, with and without those writes",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -35,15 +35,23 @@ def nearest_existing_dir(path: Path) -> Path:
     return Path("/")
 
 
+# What a directory of sockets needs: entries coming and going (a socket is bound or renamed into place, and
+# unlinked or renamed away), not the writes and attribute changes of the files beside them.
+ENTRY_EVENTS = Mask.CREATE | Mask.DELETE | Mask.MOVED_TO | Mask.MOVED_FROM | Mask.ONLYDIR
+
+
 async def directory_changes(
-    directories: Callable[[], Iterable[Path]], relevant: Callable[[Path], bool]
+    directories: Callable[[], Iterable[Path]],
+    relevant: Callable[[Path], bool],
+    events: Mask = _DIR_EVENTS,
 ) -> AsyncIterator[None]:
     """Yield once whenever something ``relevant`` changes inside the watched directories.
 
     ``directories`` is re-evaluated after every wake-up so that directories created later
     (a hot-plugged /dev subdirectory, a state file's parent) get watched too. Yields once
     at the start, after the watches are in place, so that nothing between a caller's first
-    read and the watch is missed.
+    read and the watch is missed. ``events``: the inotify events asked for (fewer: fewer wake-ups of this
+    process for changes nobody reads).
     """
     with Inotify() as inotify:
         watched: dict[Path, int] = {}  # directory → inode it had when watched
@@ -66,7 +74,7 @@ async def directory_changes(
                 if target in watched:
                     continue
                 try:
-                    inotify.add_watch(target, _DIR_EVENTS)
+                    inotify.add_watch(target, events)
                     watched[target] = os.stat(target).st_ino
                 except FileNotFoundError:
                     pass  # raced with removal: the parent's watch will tell us again
@@ -75,22 +83,21 @@ async def directory_changes(
 
         refresh_watches()
         yield
-        events = aiter(inotify)
+        changes = aiter(inotify)
         while True:
-            event = await anext(events)
+            event = await anext(changes)
             wake = _is_relevant(event.path, event.mask, relevant)
             if event.mask & Mask.IGNORED:
                 forget(Path(str(event.watch.path)) if event.watch else None)
+            if not wake:
+                continue  # nothing to coalesce (a timer per event of a busy directory, otherwise)
             # Drain the rest of the burst before waking the caller.
             while True:
-                more = await within(anext(events), COALESCE_SECONDS)
+                more = await within(anext(changes), COALESCE_SECONDS)
                 if more is None:
                     break
-                wake = wake or _is_relevant(more.path, more.mask, relevant)
                 if more.mask & Mask.IGNORED:
                     forget(Path(str(more.watch.path)) if more.watch else None)
-            if not wake:
-                continue
             refresh_watches()
             yield
 

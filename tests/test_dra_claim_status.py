@@ -268,3 +268,90 @@ def test_the_config_switches() -> None:
     assert DraConfig().claim_status is True and DraConfig().device_metadata is False
     parsed = DraConfig.model_validate({"claimStatus": False, "deviceMetadata": True})
     assert parsed.claim_status is False and parsed.device_metadata is True
+
+
+async def test_the_api_call_is_one_server_side_apply_of_the_status_by_the_drivers_field_manager() -> None:
+    """What ``DraKube.apply_claim_status`` sends an API server over HTTP, and how it reads the answers: a
+    server-side apply of the status subresource as ``kxpu-<driver>`` (forced: the entries are this driver's), the
+    claim's UID in the body; 404/409 (the claim, with this UID, is gone) is no error; 429 and 5xx are worth
+    another try, other refusals are not."""
+    from aiohttp import web
+    from lightkube import AsyncClient, KubeConfig
+
+    from kxpu.kube.dra import DraKube
+
+    seen: list[tuple[str, str, dict[str, str], str, Any]] = []
+    tokens: list[str] = []
+    answers: list[tuple[int, dict[str, Any]]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        tokens.append(request.headers.get("Authorization", ""))
+        seen.append(
+            (request.method, request.path, dict(request.query), request.content_type, json.loads(body))
+        )
+        code, doc = answers.pop(0)
+        # As the API server labels its answers (lightkube reads a refusal's Status only under exactly this type).
+        return web.Response(
+            body=json.dumps(doc).encode(), status=code, headers={"Content-Type": "application/json"}
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    config = KubeConfig.from_dict(
+        {
+            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+            "users": [{"name": "u", "user": {"token": "node-token"}}],
+            "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+            "current-context": "x",
+        }
+    )
+    client = AsyncClient(config=config)
+    kube = DraKube(DRIVER, client)
+    entry = {"driver": DRIVER, "pool": NODE, "device": "sim-0", "data": {"id": "sim-0"}}
+
+    def status(code: int, message: str) -> tuple[int, dict[str, Any]]:
+        return code, {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "message": message,
+            "code": code,
+        }
+
+    try:
+        answers.append((200, {"kind": "ResourceClaim", "metadata": {"name": "c"}}))
+        assert await kube.apply_claim_status("ns", "c", "uid-1", [entry]) is True
+        method, path, query, content_type, body = seen.pop()
+        assert (method, path) == ("PATCH", "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c/status")
+        assert query == {"fieldManager": f"kxpu-{DRIVER}", "force": "true"}
+        assert content_type == "application/apply-patch+yaml"
+        assert tokens == ["Bearer node-token"]  # the client's credentials
+        assert body == {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "c", "namespace": "ns", "uid": "uid-1"},
+            "status": {"devices": [entry]},
+        }
+        answers.append((200, {}))
+        assert await kube.apply_claim_status("ns", "c", "uid-1", []) is True  # removing: applying none
+        assert seen.pop()[4]["status"] == {}
+        for gone in (status(404, 'resourceclaims "c" not found'), status(409, "Precondition failed: UID")):
+            answers.append(gone)
+            assert await kube.apply_claim_status("ns", "c", "uid-1", [entry]) is False
+        answers.append(status(429, "slow down"))
+        with pytest.raises(StatusWriteError, match="slow down") as busy:
+            await kube.apply_claim_status("ns", "c", "uid-1", [entry])
+        assert busy.value.transient
+        answers.append(status(422, "status.devices[0]: must be an allocated device in the claim"))
+        with pytest.raises(StatusWriteError, match="must be an allocated device") as refused:
+            await kube.apply_claim_status("ns", "c", "uid-1", [entry])
+        assert not refused.value.transient
+    finally:
+        await client.close()
+        await runner.cleanup()

@@ -465,3 +465,32 @@ async def test_a_socket_grpc_cannot_bind_is_retried_not_fatal(rig: Rig) -> None:
     await asyncio.gather(task, return_exceptions=True)
     assert not done, f"the plugin stopped: {task.exception() if task.done() and not task.cancelled() else ''}"
     assert plugin.phase is DraPhase.STARTING
+
+
+async def test_prepares_do_not_wake_the_socket_check_but_a_removed_dra_socket_does(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint lives beside the DRA socket and is rewritten on every prepare and unprepare: those writes
+    must not wake the driver's socket check (a wake-up per kubelet call is CPU on every claim), while the
+    socket itself removed still brings it back and registers it again."""
+    wakes: list[int] = []
+    poke = DraPlugin.poke
+
+    def counted(self: DraPlugin) -> None:
+        wakes.append(1)
+        poke(self)
+
+    monkeypatch.setattr(DraPlugin, "poke", counted)
+    await rig.start()
+    await rig.kubelet.wait_registered(DRIVER)
+    await eventually(lambda: len(rig.pool()) == 4)
+    before = len(wakes)
+    for n in range(20):
+        claim = rig.api.add_claim(f"c{n}", [result(f"sim-{n % 4}")])
+        assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
+        assert (await rig.kubelet.unprepare(DRIVER, claim)).claims[claim.uid].error == ""
+    (rig.plugins / DRIVER / "dra.sock").unlink()
+    await rig.kubelet.wait_registered(DRIVER, times=2, timeout=5)
+    assert (rig.plugins / DRIVER / "dra.sock").is_socket()
+    # The removal, the socket served again and the registration: a few wake-ups, none per prepare.
+    assert len(wakes) - before <= 6, f"{len(wakes) - before} wake-ups for 20 prepares and one removed socket"

@@ -11,6 +11,11 @@ work from what is on disk. One JSON file per driver, replaced atomically after e
      "making": {"<claim UID>": {"claim": "ns/c", "devices": ["sim-0-1g-3"]}},
      "unreleased": [{…a partition's handle…}], "releasing": ["<claim UID>"]}
 
+Written under the driver's checkpoint lock with ``atomicfile.replace_durably``: flushed, renamed into place and
+the rename flushed, over two inodes in turn (``.checkpoint.json.spares/spare`` is the other one), the count of writes
+kept in the lock file (``kxpu.dra.instances``); a save outside the lock (a release finishing after its call)
+writes a new file instead.
+
 ``making`` is written before the backend makes a claim's partitions and dropped once the claim is recorded
 (or its partitions released): a partition the hardware holds that no claim owns is one a crash left behind,
 and only those listed here (kxpu's own) are ever destroyed by the reconciliation. ``unreleased`` holds the
@@ -36,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kxpu.atomicfile import write_atomically
+from kxpu.atomicfile import replace_durably, write_atomically
 from kxpu.dra.instances import HostLock
 from kxpu.logs import get_logger
 
@@ -157,24 +162,39 @@ class Checkpoint:
         self._seen: tuple[int, int, int, int] | None = (
             None  # the file as last loaded or written (inode, mtime, size)
         )
+        # The writes counted in the lock file when this process last loaded or wrote the file. The file is written
+        # over two inodes in turn (atomicfile.replace_durably), so two writes by another process within one tick of
+        # the file clock, of the same size, would leave inode, time and size as they were: the count does not.
+        self._count: int | None = None
+        # Each claim's JSON as last written (``"<uid>":{…}``), by UID: a claim's record never changes once made (PreparedClaim is
+        # frozen; a changed claim is a new object), so a save serialises only the claims added since the last one,
+        # not every claim prepared on the node.
+        self._encoded: dict[str, tuple[PreparedClaim, str]] = {}
 
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[bool]:
         """Hold the driver's checkpoint lock; the file is reloaded first if another process wrote it since this
         one last did (yields whether it was)."""
         async with self.lock.hold():
-            # A stat on the loop (microseconds; a worker thread costs a prepare's latency): the file is read in a
-            # thread only when another process replaced it.
-            reloaded = await asyncio.to_thread(self.refresh) if _identity(self.path) != self._seen else False
+            # A stat and a read of 8 bytes on the loop (microseconds; a worker thread costs a prepare's latency):
+            # the file is read in a thread only when another process replaced it.
+            count = self.lock.count()
+            if count != self._count or _identity(self.path) != self._seen:
+                reloaded = await asyncio.to_thread(self.refresh, count)
+            else:
+                reloaded = False
             yield reloaded
 
-    def refresh(self) -> bool:
+    def refresh(self, count: int | None = None) -> bool:
         """Load the file again if another process of the driver replaced it since this object last loaded or
-        wrote it; True if it did. A file that cannot be read now is left where it is (it was good at start, and
-        only kxpu writes it) and what this process holds is kept: the error is logged, the call goes on."""
+        wrote it (or wrote ``count``, the lock file's count of writes, differing from this process's); True if it
+        did. A file that cannot be read now is left where it is (it was good at start, and only kxpu writes it)
+        and what this process holds is kept: the error is logged, the call goes on."""
         seen = _identity(self.path)
-        if seen == self._seen or seen is None or not stat.S_ISREG(seen[3]):
-            return False  # unchanged; or removed or replaced by something no kxpu writes: nothing to reload
+        if seen is None or not stat.S_ISREG(seen[3]):
+            return False  # removed or replaced by something no kxpu writes: nothing to reload
+        if seen == self._seen and (count is None or count == self._count):
+            return False  # unchanged
         try:
             self._apply(json.loads(self.path.read_text()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -185,9 +205,12 @@ class Checkpoint:
             )
             return False
         self._seen = seen
+        if count is not None:
+            self._count = count
         return True
 
     def load(self) -> None:
+        self._count = self.lock.peek_count()  # before the file: a write meanwhile shows as a newer count
         self._seen = _identity(self.path)
         try:
             text = self.path.read_text()
@@ -232,10 +255,14 @@ class Checkpoint:
         self._seen = _identity(self.path)
 
     def save(self) -> None:
-        doc = {
-            "version": VERSION,
-            "driver": self.driver,
-            "claims": {uid: _claim_to_json(c) for uid, c in sorted(self.claims.items())},
+        self._encoded = encoded = {
+            uid: known
+            if (known := self._encoded.get(uid)) is not None and known[0] is claim
+            else (claim, f"{_dumps(uid)}:{_dumps(_claim_to_json(claim))}")
+            for uid, claim in sorted(self.claims.items())
+        }
+        claims = ",".join(text for _, text in encoded.values())
+        rest = {
             **(
                 {
                     "making": {
@@ -249,8 +276,19 @@ class Checkpoint:
             **({"unreleased": [dict(h) for h in self.unreleased]} if self.unreleased else {}),
             **({"releasing": list(self.releasing)} if self.releasing else {}),
         }
+        # The same text json.dumps gives for the whole document, its keys in this order.
+        head = _dumps({"version": VERSION, "driver": self.driver})[:-1]
+        tail = f",{_dumps(rest)[1:]}" if rest else "}"
+        text = f'{head},"claims":{{{claims}}}{tail}\n'
         try:
-            write_atomically(self.path, json.dumps(doc, separators=_COMPACT) + "\n", mode=0o600, durable=True)
+            if self.lock.held:
+                # Counted first: a count without its write costs another process one needless reload at most.
+                count = self.lock.count() + 1
+                self.lock.set_count(count)
+                self._count = count
+                replace_durably(self.path, text)
+            else:  # a background save after the call (a release finishing): a new inode, which any reader tells
+                write_atomically(self.path, text, mode=0o600, durable=True)
             self._seen = _identity(self.path)
         except OSError as exc:
             raise CheckpointError(
@@ -265,6 +303,10 @@ class Checkpoint:
             for prepared in claim.devices
             if prepared.device == device
         ]
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=_COMPACT)
 
 
 def _identity(path: Path) -> tuple[int, int, int, int] | None:

@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,13 +60,15 @@ class ClaimStatusApi(Protocol):
         ...
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def _timestamp(at: float | None = None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
-def device_status(driver: str, node: str, prepared: PreparedDevice, device: Device | None) -> dict[str, Any]:
-    """One ``status.devices`` entry: the device as prepared for the claim."""
-    now = _now()
+def device_status(
+    driver: str, node: str, prepared: PreparedDevice, device: Device | None, at: float | None = None
+) -> dict[str, Any]:
+    """One ``status.devices`` entry: the device as prepared for the claim (at ``at``, a ``time.time()``: now)."""
+    now = _timestamp(at)
     data: dict[str, Any] = {"id": prepared.id}
     healthy = True
     reason = ""
@@ -122,7 +125,9 @@ def device_status(driver: str, node: str, prepared: PreparedDevice, device: Devi
 @dataclass(slots=True)
 class _Pending:
     ref: ClaimRef
-    devices: list[dict[str, Any]] | None  # None: remove this driver's entries
+    # The entries, or what makes them when they go out (most claims of a burst are never sent); None: remove this
+    # driver's entries.
+    devices: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]] | None
     due: float  # time.monotonic() from which it may be sent
 
 
@@ -146,6 +151,9 @@ class ClaimStatusWriter:
         self._written: set[str] = set()  # claim UIDs whose entries this process wrote (and did not remove)
         self._inflight: set[str] = set()
         self._wake = asyncio.Event()
+        # When the writer wakes by itself (time.monotonic(); inf: only when woken): an entry due no earlier needs no
+        # wake-up of its own (a wake-up per prepare is a task and a timer on every claim).
+        self._wakes_at = 0.0
         self._slots = asyncio.Semaphore(concurrency)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -155,15 +163,24 @@ class ClaimStatusWriter:
     def prepared(
         self, ref: ClaimRef, node: str, devices: Sequence[tuple[PreparedDevice, Device | None]]
     ) -> None:
-        """A claim was just prepared: queue its entries (never blocks)."""
-        self.report(ref, [device_status(self.driver, node, p, d) for p, d in devices])
-
-    def report(self, ref: ClaimRef, devices: list[dict[str, Any]]) -> None:
-        """Entries for a claim (never blocks)."""
+        """A claim was just prepared: queue its entries, made when they go out (never blocks)."""
         if not devices:
             return
-        self._pending[ref.uid] = _Pending(ref, devices, time.monotonic() + self.settle_s)
-        self._kick()
+        at, held = time.time(), tuple(devices)
+        self.report(ref, lambda: [device_status(self.driver, node, p, d, at) for p, d in held])
+
+    def report(
+        self, ref: ClaimRef, devices: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]]
+    ) -> None:
+        """Entries for a claim, or what makes them (never blocks)."""
+        if not devices:
+            return
+        due = time.monotonic() + self.settle_s
+        self._pending[ref.uid] = _Pending(ref, devices, due)
+        if due < self._wakes_at:
+            self._kick()
+        else:
+            self._idle.clear()
 
     def busy(self) -> None:
         """The kubelet is calling (prepare, unprepare): writes wait for a quiet moment, off its way."""
@@ -200,13 +217,17 @@ class ClaimStatusWriter:
                 self._wake.clear()
                 waiting = [p for u, p in self._pending.items() if u not in self._inflight]
                 if not waiting:
+                    self._wakes_at = math.inf
                     await self._wake.wait()
+                    self._wakes_at = 0.0
                     continue
                 now = time.monotonic()
                 due = min(p.due for p in waiting)
                 quiet_at = self._activity + self.quiet_s
                 if due > now or (quiet_at > now and now < due + self.max_defer_s):
-                    await _sleep_or(self._wake, max(due, min(quiet_at, due + self.max_defer_s)) - now)
+                    self._wakes_at = max(due, min(quiet_at, due + self.max_defer_s))
+                    await _sleep_or(self._wake, self._wakes_at - now)
+                    self._wakes_at = 0.0
                     continue
                 for uid in [u for u, p in self._pending.items() if u not in self._inflight and p.due <= now]:
                     await self._slots.acquire()
@@ -229,6 +250,8 @@ class ClaimStatusWriter:
             for attempt in range(len(RETRY_DELAYS) + 1):
                 try:
                     self.writes += 1
+                    if callable(item.devices):
+                        item.devices = item.devices()
                     await self.api.apply_claim_status(ref.namespace, ref.name, ref.uid, item.devices or [])
                 except StatusWriteError as exc:
                     if exc.transient and attempt < len(RETRY_DELAYS):

@@ -7,8 +7,9 @@ guarded by ``flock(2)`` locks on files there (the kernel drops a lock with the p
 pod never leaves one behind):
 
 - ``checkpoint.json.lock``: held across each NodePrepareResources / NodeUnprepareResources call (and the start's
-  reconciliation); whoever takes it reloads the checkpoint if the other process changed it, so each call starts
-  from what is on disk and neither overwrites the other's claims;
+  reconciliation); whoever takes it reloads the checkpoint if the other process changed it (its inode, time or
+  size, or the count of checkpoint writes kept in the lock file), so each call starts from what is on disk and
+  neither overwrites the other's claims;
 - ``publish.lock``: held by the one process that writes the driver's ResourceSlices for the node, for as long as
   it runs. The other one leaves the slices alone and takes the lock, and the slices as they are (updated in
   place, never deleted and created again), when the first exits.
@@ -65,6 +66,29 @@ class HostLock:
         while not self.try_acquire():
             await asyncio.sleep(delay)
             delay = min(delay * 2, poll_max_s)
+
+    def count(self) -> int:
+        """The number the holders keep in the lock file (0 before the first): ``kxpu.dra.checkpoint`` counts its
+        writes there, so another process tells a change that its file's inode, time and size may not show."""
+        assert self._fd is not None, "only the holder reads the count"
+        data = os.pread(self._fd, 8, 0)
+        return int.from_bytes(data, "little") if len(data) == 8 else 0
+
+    def set_count(self, value: int) -> None:
+        assert self._fd is not None, "only the holder writes the count"
+        os.pwrite(self._fd, value.to_bytes(8, "little"), 0)
+
+    def peek_count(self) -> int:
+        """The count without taking the lock (at start, before the file it guards is read): 0 when none."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return 0
+        try:
+            data = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
+        return int.from_bytes(data, "little") if len(data) == 8 else 0
 
     def release(self) -> None:
         if self._fd is not None:

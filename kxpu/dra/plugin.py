@@ -51,7 +51,7 @@ from kxpu.dra.publisher import SliceApi, SlicePublisher
 from kxpu.dra.service import RegistrationServicer, add_dra_services
 from kxpu.dra.slices import SharePolicy
 from kxpu.dra.taints import TaintPolicy
-from kxpu.fswatch import directory_changes
+from kxpu.fswatch import ENTRY_EVENTS, directory_changes
 from kxpu.kube.watch import keep_watching
 from kxpu.logs import error_text, get_logger
 from kxpu.model import SUB_DEVICE_SEPARATOR, Backend, Partitioner
@@ -291,6 +291,7 @@ class DraPlugin:
             await self.registration.stop(0.5)
             await self.dra.stop(0.5)
             self.publish_lock.release()  # the other process of a rolling update publishes from here on
+            self.preparer.drop_spares()  # no stale copies of specs left in the CDI directory
             self.registered = False
             metrics.DRIVER_REGISTERED.labels(self.driver).set(0)
             if self._close is not None:
@@ -376,10 +377,13 @@ class DraPlugin:
 
     async def _watch_dirs(self) -> None:
         directories = [self.dra.path.parent, self.registration.path.parent]
+        # Only the sockets matter, and only their names coming and going: the checkpoint beside the DRA socket is
+        # rewritten on every prepare and unprepare, and each of those writes would wake the socket check.
+        sockets = {self.dra.path, self.registration.path}
         backoff = Backoff(initial=1.0, maximum=30.0)
         while True:
             try:
-                async for _ in directory_changes(lambda: directories, lambda p: p.parent in directories):
+                async for _ in directory_changes(lambda: directories, sockets.__contains__, ENTRY_EVENTS):
                     self.poke()
             except Exception as exc:  # inotify limits: the resync still re-checks every RESYNC_SECONDS
                 delay = backoff.next_delay()

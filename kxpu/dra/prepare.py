@@ -36,15 +36,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from kxpu.cdi.spec import InvalidSpec, qualified_name, write_device_spec
+from kxpu.atomicfile import write_atomically, write_over
+from kxpu.cdi.spec import InvalidSpec, device_spec_text, qualified_name
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import (
     Checkpoint,
@@ -57,7 +60,7 @@ from kxpu.dra.checkpoint import (
 from kxpu.dra.claim_cache import ClaimCache
 from kxpu.dra.claims import AllocatedDevice, ClaimAllocation, ClaimError, allocation_for
 from kxpu.dra.config import DraSharesConfig
-from kxpu.dra.metadata import MetadataDevice, MetadataWriter, pod_claim_name
+from kxpu.dra.metadata import CDI_CLASS, MetadataDevice, MetadataWriter, pod_claim_name
 from kxpu.dra.names import claim_cdi_device, claim_cdi_kind, device_name, parent_request
 from kxpu.dra.quantity import as_mib, parse_quantity
 from kxpu.dra.slices import SharePolicy, device_attributes
@@ -77,6 +80,8 @@ from kxpu.model import (
 )
 
 log = get_logger("kxpu.dra.prepare")
+
+MAX_SPARE_SPECS = 16  # unprepared claims' CDI specs kept aside to be written over (a few KiB each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +185,20 @@ class Preparer:
         self.draining = False
         self.changed = asyncio.Event()  # set whenever claims were unprepared
         self.log = log.bind(driver=driver)
+        # This driver's series, looked up once (a labels() call takes a lock and a dict lookup on every claim).
+        self._prepare_seconds = metrics.PREPARE_SECONDS.labels(driver)
+        self._unprepare_seconds = metrics.UNPREPARE_SECONDS.labels(driver)
+        self._prepare_errors = metrics.PREPARE_ERRORS.labels(driver)
+        self._claims_prepared = metrics.CLAIMS_PREPARED.labels(driver)
+        self._reads_cache = metrics.CLAIM_READS.labels(driver, "cache")
+        self._reads_api = metrics.CLAIM_READS.labels(driver, "api")
+        self._spec_prefix = f"kxpu-dra-{driver}-"
+        # CDI specs of unprepared claims, renamed out of sight (CDI reads no subdirectory) and written over for the
+        # next claims: a file made and freed per claim costs some filesystems more CPU than the whole write.
+        self._spares_dir = os.path.join(cdi_dir, f".kxpu-dra-{driver}.spares")
+        self._spares: list[str] = []
+        self._spare_names = itertools.count()
+        self._metadata_ids = f"{driver}/{CDI_CLASS}="  # how the CDI IDs of metadata files start
 
     @property
     def _policy(self) -> SharePolicy:
@@ -208,7 +227,7 @@ class Preparer:
                 self.status.prepared(ClaimRef(claim.namespace, uid, claim.name), self.pool, devices_of)
 
     def spec_path(self, uid: str) -> Path:
-        return self.cdi_dir / f"kxpu-dra-{self.driver}-{uid}.json"
+        return self.cdi_dir / f"{self._spec_prefix}{uid}.json"
 
     # -- prepare ----------------------------------------------------------------------------------------
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, Prepared]:
@@ -233,9 +252,9 @@ class Preparer:
                     try:
                         devices = await self._prepare_one(ref, fetched.get(ref.uid), unsaved)
                         results[ref.uid] = Prepared(devices=devices)
-                        metrics.PREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
+                        self._prepare_seconds.observe(time.perf_counter() - started)
                     except Exception as exc:
-                        metrics.PREPARE_ERRORS.labels(self.driver).inc()
+                        self._prepare_errors.inc()
                         message = self._failure_text(ref, exc)
                         results[ref.uid] = Prepared(error=message)
                         failed.append((ref, message))
@@ -244,7 +263,7 @@ class Preparer:
                 while unsaved:
                     await self._undo(unsaved.pop())
                 raise
-            metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
+            self._claims_prepared.set(len(self.checkpoint.claims))
         for ref, message in failed:
             await self.claims.claim_event(ref, "KxpuPrepareFailed", message)
         return results
@@ -261,11 +280,11 @@ class Preparer:
             for ref in refs:
                 if (hit := self.claim_cache.take(ref.namespace, ref.name, ref.uid)) is not None:
                     out[ref.uid] = hit
-            metrics.CLAIM_READS.labels(self.driver, "cache").inc(len(out))
+            self._reads_cache.inc(len(out))
             refs = [r for r in refs if r.uid not in out]
         if not refs:
             return out
-        metrics.CLAIM_READS.labels(self.driver, "api").inc(len(refs))
+        self._reads_api.inc(len(refs))
         answers = await asyncio.gather(
             *(self.claims.get_claim(r.namespace, r.name) for r in refs), return_exceptions=True
         )
@@ -304,7 +323,7 @@ class Preparer:
                 unsaved
             ):  # each taken off before it is undone: a cancellation meanwhile undoes the rest once
                 claim = unsaved.pop()
-                metrics.PREPARE_ERRORS.labels(self.driver).inc()
+                self._prepare_errors.inc()
                 message = self._failure_text(claim.ref, exc)
                 results[claim.ref.uid] = Prepared(error=message)
                 failed.append((claim.ref, message))
@@ -864,10 +883,46 @@ class Preparer:
     def _write_spec(self, uid: str, entries: list[tuple[str, ContainerEdits]]) -> Path:
         path = self.spec_path(uid)
         try:
-            write_device_spec(path, self.cdi_kind, entries)
+            text = device_spec_text(self.cdi_kind, entries)
         except InvalidSpec as exc:
             raise BackendError(f"the container edits make an invalid CDI spec: {exc}") from None
+        while self._spares:
+            if write_over(self._spares.pop(), path, text):
+                return path
+        write_atomically(path, text)
         return path
+
+    def _retire_spec(self, path: str) -> None:
+        """The claim's CDI spec gone from the CDI directory: set aside as a spare while there are few, else
+        removed. A spec that is not there is not an error."""
+        if len(self._spares) < MAX_SPARE_SPECS:
+            spare = os.path.join(self._spares_dir, f"{os.getpid()}-{next(self._spare_names)}")
+            try:
+                os.replace(path, spare)
+            except FileNotFoundError:
+                if not os.path.exists(path):
+                    return  # no spec (the kubelet repeats unprepares)
+                try:  # the first one (or the directory was removed)
+                    os.makedirs(self._spares_dir, mode=0o755, exist_ok=True)
+                    os.replace(path, spare)
+                except OSError:
+                    pass  # removed as before
+                else:
+                    self._spares.append(spare)
+                    return
+            except OSError:  # another filesystem, a directory we cannot write: removed as before
+                pass
+            else:
+                self._spares.append(spare)
+                return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def drop_spares(self) -> None:
+        """Remove the spare specs (at start: a process before this one set them aside; at stop)."""
+        self._spares.clear()
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self._spares_dir)
 
     # -- unprepare --------------------------------------------------------------------------------------
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
@@ -922,12 +977,11 @@ class Preparer:
                 except Exception as exc:
                     results[ref.uid] = self._unprepare_failure(ref, "cannot destroy its partitions", exc)
                     continue
-            paths = {self.spec_path(ref.uid)}
-            if known is not None and known.cdi_spec:
-                paths.add(Path(known.cdi_spec))
+            path = os.path.join(self.cdi_dir, f"{self._spec_prefix}{ref.uid}.json")
+            paths = {path, known.cdi_spec or path} if known is not None else {path}
             try:
                 for path in paths:
-                    path.unlink(missing_ok=True)
+                    self._retire_spec(path)
                 if known is not None:
                     self._remove_metadata(ref.uid, known)
             except OSError as exc:
@@ -936,7 +990,7 @@ class Preparer:
             if known is not None:
                 removed[ref.uid] = self.checkpoint.claims.pop(ref.uid)
             results[ref.uid] = None
-            metrics.UNPREPARE_SECONDS.labels(self.driver).observe(time.perf_counter() - started)
+            self._unprepare_seconds.observe(time.perf_counter() - started)
             if known is not None:
                 self.log.info("claim unprepared", claim=ref.ref, uid=ref.uid)
         if removed:
@@ -955,14 +1009,17 @@ class Preparer:
                 if self.status is not None:
                     for uid, claim in removed.items():
                         self.status.clear(ClaimRef(claim.namespace, uid, claim.name))
-        metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
+        self._claims_prepared.set(len(self.checkpoint.claims))
         return results
 
     def _remove_metadata(self, uid: str, known: PreparedClaim) -> None:
         """The claim's metadata files, if it was prepared with them (its CDI IDs say so, whatever
         dra.deviceMetadata says now)."""
+        ids = [c for d in known.devices for c in d.cdi_device_ids if c.startswith(self._metadata_ids)]
+        if not ids:
+            return
         writer = self.metadata or MetadataWriter(self.driver, self.metadata_dir, self.cdi_dir)
-        requests = writer.requests_of(c for d in known.devices for c in d.cdi_device_ids)
+        requests = writer.requests_of(ids)
         if requests:
             writer.remove(known.namespace, known.name, uid, requests)
 
@@ -978,9 +1035,10 @@ class Preparer:
         """CDI spec files of this driver whose claim is not in the checkpoint (a crash between writing the
         spec and the checkpoint); called at start, before serving. Nothing is removed when the checkpoint
         had to be set aside: those specs may serve running containers."""
+        self.drop_spares()
         if self.checkpoint.set_aside:
             return []
-        prefix = f"kxpu-dra-{self.driver}-"
+        prefix = self._spec_prefix
         removed = []
         try:
             candidates = list(self.cdi_dir.glob(f"{prefix}*.json"))
