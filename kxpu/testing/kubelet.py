@@ -426,7 +426,16 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
 
 
 def sockets_in(directory: Path) -> list[str]:
-    return sorted(e.name for e in directory.iterdir() if stat.S_ISSOCK(e.lstat().st_mode))
+    """The unix sockets in ``directory`` now; an entry gone between the listing and its stat (a temp file
+    renamed into place, a socket removed) is not one."""
+    names = []
+    for entry in os.scandir(directory):
+        try:
+            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                names.append(entry.name)
+        except FileNotFoundError:
+            continue
+    return sorted(names)
 
 
 def pid_alive(pid: int) -> bool:
