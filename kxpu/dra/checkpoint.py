@@ -11,10 +11,9 @@ work from what is on disk. One JSON file per driver, replaced atomically after e
      "making": {"<claim UID>": {"claim": "ns/c", "devices": ["sim-0-1g-3"]}},
      "unreleased": [{…a partition's handle…}], "releasing": ["<claim UID>"]}
 
-Written under the driver's checkpoint lock with ``atomicfile.replace_durably``: flushed, renamed into place and
-the rename flushed, over two inodes in turn (``.checkpoint.json.spares/spare`` is the other one), the count of writes
-kept in the lock file (``kxpu.dra.instances``); a save outside the lock (a release finishing after its call)
-writes a new file instead.
+Written with ``atomicfile.write_atomically(durable=True)``: a new file, flushed, renamed into place and the rename
+flushed, so a reader (the other pod of a rolling update, at its start) sees the old document or the new, whole.
+Under the driver's checkpoint lock each write is also counted in the lock file (``kxpu.dra.instances``).
 
 ``making`` is written before the backend makes a claim's partitions and dropped once the claim is recorded
 (or its partitions released): a partition the hardware holds that no claim owns is one a crash left behind,
@@ -41,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kxpu.atomicfile import replace_durably, write_atomically
+from kxpu.atomicfile import write_atomically
 from kxpu.dra.instances import HostLock
 from kxpu.logs import get_logger
 
@@ -162,9 +161,9 @@ class Checkpoint:
         self._seen: tuple[int, int, int, int] | None = (
             None  # the file as last loaded or written (inode, mtime, size)
         )
-        # The writes counted in the lock file when this process last loaded or wrote the file. The file is written
-        # over two inodes in turn (atomicfile.replace_durably), so two writes by another process within one tick of
-        # the file clock, of the same size, would leave inode, time and size as they were: the count does not.
+        # The writes counted in the lock file when this process last loaded or wrote the file: two writes by another
+        # process within one tick of the file clock, of the same size, onto a reused inode number, would leave
+        # inode, time and size as they were; the count does not.
         self._count: int | None = None
         # Each claim's JSON as last written (``"<uid>":{…}``), by UID: a claim's record never changes once made (PreparedClaim is
         # frozen; a changed claim is a new object), so a save serialises only the claims added since the last one,
@@ -286,9 +285,7 @@ class Checkpoint:
                 count = self.lock.count() + 1
                 self.lock.set_count(count)
                 self._count = count
-                replace_durably(self.path, text)
-            else:  # a background save after the call (a release finishing): a new inode, which any reader tells
-                write_atomically(self.path, text, mode=0o600, durable=True)
+            write_atomically(self.path, text, mode=0o600, durable=True)
             self._seen = _identity(self.path)
         except OSError as exc:
             raise CheckpointError(

@@ -291,7 +291,6 @@ class DraPlugin:
             await self.registration.stop(0.5)
             await self.dra.stop(0.5)
             self.publish_lock.release()  # the other process of a rolling update publishes from here on
-            self.preparer.drop_spares()  # no stale copies of specs left in the CDI directory
             self.registered = False
             metrics.DRIVER_REGISTERED.labels(self.driver).set(0)
             if self._close is not None:

@@ -36,17 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from kxpu.atomicfile import write_atomically, write_over
+from kxpu.atomicfile import write_atomically
 from kxpu.cdi.spec import InvalidSpec, device_spec_text, qualified_name
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import (
@@ -80,8 +78,6 @@ from kxpu.model import (
 )
 
 log = get_logger("kxpu.dra.prepare")
-
-MAX_SPARE_SPECS = 16  # unprepared claims' CDI specs kept aside to be written over (a few KiB each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,11 +189,6 @@ class Preparer:
         self._reads_cache = metrics.CLAIM_READS.labels(driver, "cache")
         self._reads_api = metrics.CLAIM_READS.labels(driver, "api")
         self._spec_prefix = f"kxpu-dra-{driver}-"
-        # CDI specs of unprepared claims, renamed out of sight (CDI reads no subdirectory) and written over for the
-        # next claims: a file made and freed per claim costs some filesystems more CPU than the whole write.
-        self._spares_dir = os.path.join(cdi_dir, f".kxpu-dra-{driver}.spares")
-        self._spares: list[str] = []
-        self._spare_names = itertools.count()
         self._metadata_ids = f"{driver}/{CDI_CLASS}="  # how the CDI IDs of metadata files start
 
     @property
@@ -886,43 +877,8 @@ class Preparer:
             text = device_spec_text(self.cdi_kind, entries)
         except InvalidSpec as exc:
             raise BackendError(f"the container edits make an invalid CDI spec: {exc}") from None
-        while self._spares:
-            if write_over(self._spares.pop(), path, text):
-                return path
         write_atomically(path, text)
         return path
-
-    def _retire_spec(self, path: str) -> None:
-        """The claim's CDI spec gone from the CDI directory: set aside as a spare while there are few, else
-        removed. A spec that is not there is not an error."""
-        if len(self._spares) < MAX_SPARE_SPECS:
-            spare = os.path.join(self._spares_dir, f"{os.getpid()}-{next(self._spare_names)}")
-            try:
-                os.replace(path, spare)
-            except FileNotFoundError:
-                if not os.path.exists(path):
-                    return  # no spec (the kubelet repeats unprepares)
-                try:  # the first one (or the directory was removed)
-                    os.makedirs(self._spares_dir, mode=0o755, exist_ok=True)
-                    os.replace(path, spare)
-                except OSError:
-                    pass  # removed as before
-                else:
-                    self._spares.append(spare)
-                    return
-            except OSError:  # another filesystem, a directory we cannot write: removed as before
-                pass
-            else:
-                self._spares.append(spare)
-                return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-    def drop_spares(self) -> None:
-        """Remove the spare specs (at start: a process before this one set them aside; at stop)."""
-        self._spares.clear()
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self._spares_dir)
 
     # -- unprepare --------------------------------------------------------------------------------------
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
@@ -981,7 +937,8 @@ class Preparer:
             paths = {path, known.cdi_spec or path} if known is not None else {path}
             try:
                 for path in paths:
-                    self._retire_spec(path)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
                 if known is not None:
                     self._remove_metadata(ref.uid, known)
             except OSError as exc:
@@ -1035,7 +992,6 @@ class Preparer:
         """CDI spec files of this driver whose claim is not in the checkpoint (a crash between writing the
         spec and the checkpoint); called at start, before serving. Nothing is removed when the checkpoint
         had to be set aside: those specs may serve running containers."""
-        self.drop_spares()
         if self.checkpoint.set_aside:
             return []
         prefix = self._spec_prefix

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -142,23 +141,6 @@ async def get_raw(client: AsyncClient, path: str) -> str:
     response = await http.get(path)
     response.raise_for_status()
     return str(response.text)
-
-
-async def apply_unread(
-    client: AsyncClient, path: str, body: Mapping[str, Any], field_manager: str, force: bool = False
-) -> None:
-    """A server-side apply (``application/apply-patch+yaml``; JSON is YAML) of ``body`` to the API path ``path``,
-    the answer's status read and its body not: lightkube's ``patch`` would build a request through its resource
-    model, and parse the object the API server sends back into one, for a caller that never looks at it.
-    Raises lightkube's ApiError when the API server refuses it (httpx's errors for the rest), as ``patch`` does."""
-    generic = client._client  # lightkube's GenericAsyncClient: its httpx client has the base URL and auth
-    response = await generic._client.patch(
-        path,
-        content=json.dumps(body, separators=(",", ":")),
-        headers={"Content-Type": "application/apply-patch+yaml"},
-        params={"fieldManager": field_manager, **({"force": "true"} if force else {})},
-    )
-    generic.raise_for_status(response)  # type: ignore[no-untyped-call]  # lightkube's reading of a refusal
 
 
 async def nodes_and_placed_pods(client: AsyncClient) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -36,9 +36,11 @@ def _load() -> Any:
         if _lk is not None:
             return _lk
         from lightkube import ApiError
+        from lightkube.core.resource import ApiInfo
         from lightkube.generic_resource import (
             GenericGlobalResource,
             GenericNamespacedResource,
+            GenericNamespacedStatus,
             create_api_info,
         )
         from lightkube.resources.core_v1 import Node
@@ -54,8 +56,25 @@ def _load() -> Any:
         class Slice(GenericGlobalResource):
             _api_info = create_api_info("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
 
-        _lk = SimpleNamespace(ApiError=ApiError, Node=Node, Claim=Claim, Slice=Slice, kube=client)
+        class ClaimStatus(GenericNamespacedStatus):
+            _api_info = ApiInfo(
+                resource=Claim._api_info.resource,
+                parent=Claim._api_info.resource,
+                plural="resourceclaims",
+                verbs=["get", "patch", "put"],
+                action="status",
+            )
+
+        _lk = SimpleNamespace(
+            ApiError=ApiError, Node=Node, Claim=Claim, ClaimStatus=ClaimStatus, Slice=Slice, kube=client
+        )
         return _lk
+
+
+def _apply_patch() -> Any:
+    from lightkube.types import PatchType
+
+    return PatchType.APPLY
 
 
 class DraKube:
@@ -154,11 +173,12 @@ class DraKube:
         }
         try:
             lk, client = await self._api()
-            # One request, its answer (the whole claim) unread.
-            await lk.kube.apply_unread(
-                client,
-                f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}/status",
+            await client.patch(
+                lk.ClaimStatus,
+                name,
                 body,
+                namespace=namespace,
+                patch_type=_apply_patch(),
                 field_manager=f"kxpu-{self.driver}",
                 force=True,
             )
