@@ -172,17 +172,12 @@ class InvalidSpec(ValueError):
     """The spec breaks the CDI rules (the message names each way, ``; ``-joined): nothing was written."""
 
 
-def device_spec_text(kind: str, devices: Sequence[tuple[str, ContainerEdits]]) -> str:
-    """The spec of ``devices``, checked, as the text of its file (InvalidSpec for a spec a runtime would refuse).
-    Compact: json's C encoder serves only calls without indent (the indenting one is pure Python)."""
+def write_device_spec(path: Path, kind: str, devices: Sequence[tuple[str, ContainerEdits]]) -> None:
+    """Build the spec of ``devices``, check it and write it atomically at ``path`` (a DRA claim's own file):
+    InvalidSpec before writing a spec a runtime would refuse, OSError when it cannot be written. Compact: json's
+    C encoder serves only calls without indent (the indenting one is pure Python)."""
     spec = build_spec(kind, devices)
     errors = validate_spec(spec)
     if errors:
         raise InvalidSpec("; ".join(errors))
-    return json.dumps(spec, separators=(",", ":")) + "\n"
-
-
-def write_device_spec(path: Path, kind: str, devices: Sequence[tuple[str, ContainerEdits]]) -> None:
-    """Build the spec of ``devices``, check it and write it atomically at ``path`` (a DRA claim's own file):
-    InvalidSpec before writing a spec a runtime would refuse, OSError when it cannot be written."""
-    write_atomically(path, device_spec_text(kind, devices))
+    write_atomically(path, json.dumps(spec, separators=(",", ":")) + "\n")

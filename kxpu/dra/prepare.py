@@ -44,8 +44,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from kxpu.atomicfile import write_atomically
-from kxpu.cdi.spec import InvalidSpec, device_spec_text, qualified_name
+from kxpu.cdi.spec import InvalidSpec, qualified_name, write_device_spec
 from kxpu.dra import metrics
 from kxpu.dra.checkpoint import (
     Checkpoint,
@@ -874,10 +873,9 @@ class Preparer:
     def _write_spec(self, uid: str, entries: list[tuple[str, ContainerEdits]]) -> Path:
         path = self.spec_path(uid)
         try:
-            text = device_spec_text(self.cdi_kind, entries)
+            write_device_spec(path, self.cdi_kind, entries)
         except InvalidSpec as exc:
             raise BackendError(f"the container edits make an invalid CDI spec: {exc}") from None
-        write_atomically(path, text)
         return path
 
     # -- unprepare --------------------------------------------------------------------------------------
