@@ -12,23 +12,35 @@ from pathlib import Path
 # random names, at twice the CPU time of the whole write: a DRA prepare writes two files.
 _sequence = itertools.count()
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+# The process ID, asked once (a system call per write otherwise; a DRA claim writes three files) and again in a
+# forked child, whose temp names must not be its parent's.
+_pid = os.getpid()
 
 
-def _create_temp(path: Path) -> tuple[int, str]:
-    """An open, new, empty file (mode 0600) beside ``path``, and its name."""
-    prefix = os.path.join(os.fspath(path.parent), f".{path.name}.{os.getpid()}-")
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _create_temp(directory: str, prefix: str) -> tuple[int, str]:
+    """An open, new, empty file (mode 0600) named ``prefix…`` in ``directory``, and its name."""
     while True:
-        name = f"{prefix}{next(_sequence)}.tmp"
+        temp = f"{prefix}{next(_sequence)}.tmp"
         try:
-            return os.open(name, _FLAGS, 0o600), name
+            return os.open(temp, _FLAGS, 0o600), temp
         except FileExistsError:
             continue
         except FileNotFoundError:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(directory, exist_ok=True)
 
 
-def write_atomically(path: Path, text: str, mode: int = 0o644, durable: bool = False) -> None:
-    """Write to a temp file in the same directory, then rename over ``path``.
+def write_atomically(path: Path | str, text: str, mode: int = 0o644, durable: bool = False) -> os.stat_result:
+    """Write to a temp file in the same directory, then rename over ``path``; returns the file's status as
+    written (its inode, size, mode and modification time: what the name now points to, unless another writer
+    has replaced it since).
 
     ``durable``: the content is on disk before the rename and the rename is on disk before returning (fsync
     of the file, then of the directory), so a power loss leaves the old file or the new one, never an empty
@@ -36,7 +48,10 @@ def write_atomically(path: Path, text: str, mode: int = 0o644, durable: bool = F
 
     The file gets ``mode`` exactly (whatever the umask) on its open descriptor, before any content: never a
     chmod by path, which follows whatever the name points to by then (a symlink put in its place)."""
-    fd, tmp = _create_temp(path)
+    path = os.fspath(path)
+    head, sep, name = path.rpartition("/")  # os.path's split and join are Python: a write costs them twice
+    directory = head or sep or "."
+    fd, tmp = _create_temp(directory, f"{head}{sep}.{name}.{_pid}-")
     try:
         try:
             os.fchmod(fd, mode)
@@ -45,6 +60,7 @@ def write_atomically(path: Path, text: str, mode: int = 0o644, durable: bool = F
                 data = data[os.write(fd, data) :]
             if durable:
                 os.fsync(fd)
+            written = os.fstat(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -53,7 +69,8 @@ def write_atomically(path: Path, text: str, mode: int = 0o644, durable: bool = F
             os.unlink(tmp)
         raise
     if durable:
-        _fsync_dir(os.fspath(path.parent))
+        _fsync_dir(directory)
+    return written
 
 
 def _fsync_dir(directory: str) -> None:

@@ -75,3 +75,46 @@ def test_cdi_specs_are_world_readable_whatever_the_umask(tmp_path: Path, umask: 
     umask(0o077)
     path = write_spec(tmp_path, {"cdiVersion": "0.6.0", "kind": "example.com/npu", "devices": []})
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_the_status_returned_is_the_written_files(tmp_path: Path) -> None:
+    """The DRA checkpoint keeps it to tell a file another process wrote from its own, without a stat by path."""
+    path = tmp_path / "checkpoint.json"
+    for text in ("first", "second, longer"):
+        written = write_atomically(path, text, mode=0o600, durable=True)
+        now = path.stat()
+        assert (written.st_ino, written.st_mtime_ns, written.st_size, written.st_mode) == (
+            now.st_ino,
+            now.st_mtime_ns,
+            now.st_size,
+            now.st_mode,
+        )
+
+
+def test_a_forked_child_names_its_temp_files_after_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process ID in temp names is asked once, and again in a forked child: parent and child never pick
+    the same temp name for the same file."""
+    renamed: list[str] = []
+    replace = os.replace
+
+    def watching_replace(src: Any, dst: Any) -> None:
+        renamed.append(os.path.basename(src))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", watching_replace)
+    write_atomically(tmp_path / "f", "parent")
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child reports through the pipe)
+        write_atomically(tmp_path / "f", "child")
+        os.write(write, renamed[-1].encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        in_child = pipe.read()
+    assert os.waitpid(child, 0)[1] == 0
+    assert renamed[0].startswith(f".f.{os.getpid()}-"), renamed
+    assert in_child.startswith(f".f.{child}-"), in_child
+    assert (tmp_path / "f").read_text() == "child"

@@ -279,7 +279,7 @@ class CrashingCheckpoint(Checkpoint):
 class CrashingPreparer(Preparer):
     world: World
 
-    def _write_spec(self, uid: str, entries: list[tuple[str, ContainerEdits]]) -> Path:
+    def _write_spec(self, uid: str, entries: list[tuple[str, ContainerEdits]]) -> str:
         self.world.step()
         path = super()._write_spec(uid, entries)
         self.world.step()

@@ -237,6 +237,46 @@ async def test_the_checkpoint_lock_reloads_what_another_process_wrote(tmp_path: 
         assert not reloaded  # nothing changed since: no reload
 
 
+def test_the_count_of_writes_is_read_again_at_each_hold(tmp_path: Path) -> None:
+    """A holder reads the count once per hold (no other process writes it meanwhile), never across holds: what
+    the other process counted while this one did not hold the lock is what it reads next."""
+    mine, theirs = HostLock(tmp_path / "checkpoint.json.lock"), HostLock(tmp_path / "checkpoint.json.lock")
+    assert mine.try_acquire()
+    assert mine.count() == 0
+    mine.set_count(5)
+    assert mine.count() == 5
+    mine.release()
+    assert theirs.try_acquire()
+    assert theirs.count() == 5
+    theirs.set_count(6)
+    theirs.release()
+    assert mine.peek_count() == 6
+    assert mine.try_acquire()
+    assert mine.count() == 6
+    mine.release()
+
+
+async def test_the_checkpoint_lock_is_freed_when_its_holder_fails_or_is_cancelled(tmp_path: Path) -> None:
+    path = tmp_path / DRIVER / "checkpoint.json"
+    mine, theirs = Checkpoint(path, DRIVER), Checkpoint(path, DRIVER)
+    mine.load()
+    theirs.load()
+    with pytest.raises(RuntimeError):
+        async with mine.exclusive():
+            raise RuntimeError("a prepare failed")
+    assert not mine.lock.held
+    async with theirs.exclusive():
+        waiting = asyncio.create_task(mine.exclusive().__aenter__())
+        await asyncio.sleep(0.05)
+        waiting.cancel()  # the kubelet's deadline while it waits
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    assert not mine.lock.held
+    async with mine.exclusive() as reloaded:
+        assert mine.lock.held and not reloaded
+    assert not mine.lock.held
+
+
 def test_a_lock_held_elsewhere_is_refused_and_freed_with_its_holder(tmp_path: Path) -> None:
     first, second = HostLock(tmp_path / "publish.lock"), HostLock(tmp_path / "publish.lock")
     assert first.try_acquire() and first.held

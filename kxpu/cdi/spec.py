@@ -136,6 +136,13 @@ def validate_spec(spec: Mapping[str, Any]) -> list[str]:
         errors.append(f"cdiVersion {version!r} is not a released CDI version")
     elif tuple(map(int, str(version).split("."))) < tuple(map(int, minimum_version(spec).split("."))):
         errors.append(f"cdiVersion {version} is older than the content needs ({minimum_version(spec)})")
+    return errors + _content_errors(spec)
+
+
+def _content_errors(spec: Mapping[str, Any]) -> list[str]:
+    """``validate_spec`` but for the version (``build_spec`` sets the lowest that fits: checking it again costs a
+    DRA prepare more than the rest of the check)."""
+    errors: list[str] = []
     try:
         validate_kind(str(spec.get("kind", "")))
     except ValueError as exc:
@@ -172,12 +179,12 @@ class InvalidSpec(ValueError):
     """The spec breaks the CDI rules (the message names each way, ``; ``-joined): nothing was written."""
 
 
-def write_device_spec(path: Path, kind: str, devices: Sequence[tuple[str, ContainerEdits]]) -> None:
+def write_device_spec(path: Path | str, kind: str, devices: Sequence[tuple[str, ContainerEdits]]) -> None:
     """Build the spec of ``devices``, check it and write it atomically at ``path`` (a DRA claim's own file):
     InvalidSpec before writing a spec a runtime would refuse, OSError when it cannot be written. Compact: json's
     C encoder serves only calls without indent (the indenting one is pure Python)."""
     spec = build_spec(kind, devices)
-    errors = validate_spec(spec)
+    errors = _content_errors(spec)
     if errors:
         raise InvalidSpec("; ".join(errors))
     write_atomically(path, json.dumps(spec, separators=(",", ":")) + "\n")

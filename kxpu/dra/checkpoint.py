@@ -30,12 +30,11 @@ place for the containers using them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,6 +143,34 @@ class Making:
     devices: tuple[str, ...]  # kxpu device IDs
 
 
+class _Exclusive:
+    """``Checkpoint.exclusive()``: a plain object rather than a generator-based context manager (two nested ones
+    cost a prepare more than the lock itself)."""
+
+    __slots__ = ("checkpoint",)
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+
+    async def __aenter__(self) -> bool:
+        checkpoint, lock = self.checkpoint, self.checkpoint.lock
+        if not lock.try_acquire():
+            await lock.acquire()
+        try:
+            # A stat and a read of 8 bytes on the loop (microseconds; a worker thread costs a prepare's latency):
+            # the file is read in a thread only when another process replaced it.
+            count = lock.count()
+            if count != checkpoint._count or _identity(checkpoint.path) != checkpoint._seen:
+                return await asyncio.to_thread(checkpoint.refresh, count)
+            return False
+        except BaseException:
+            lock.release()
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.checkpoint.lock.release()
+
+
 class Checkpoint:
     """The prepared claims of one driver (claim UID → PreparedClaim), mirrored to ``path``."""
 
@@ -169,20 +196,13 @@ class Checkpoint:
         # frozen; a changed claim is a new object), so a save serialises only the claims added since the last one,
         # not every claim prepared on the node.
         self._encoded: dict[str, tuple[PreparedClaim, str]] = {}
+        self._name = str(path)
+        self._head = _dumps({"version": VERSION, "driver": driver})[:-1]
 
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[bool]:
-        """Hold the driver's checkpoint lock; the file is reloaded first if another process wrote it since this
-        one last did (yields whether it was)."""
-        async with self.lock.hold():
-            # A stat and a read of 8 bytes on the loop (microseconds; a worker thread costs a prepare's latency):
-            # the file is read in a thread only when another process replaced it.
-            count = self.lock.count()
-            if count != self._count or _identity(self.path) != self._seen:
-                reloaded = await asyncio.to_thread(self.refresh, count)
-            else:
-                reloaded = False
-            yield reloaded
+    def exclusive(self) -> _Exclusive:
+        """Hold the driver's checkpoint lock (``async with``); the file is reloaded first if another process wrote
+        it since this one last did (entering gives whether it was)."""
+        return _Exclusive(self)
 
     def refresh(self, count: int | None = None) -> bool:
         """Load the file again if another process of the driver replaced it since this object last loaded or
@@ -276,17 +296,16 @@ class Checkpoint:
             **({"releasing": list(self.releasing)} if self.releasing else {}),
         }
         # The same text json.dumps gives for the whole document, its keys in this order.
-        head = _dumps({"version": VERSION, "driver": self.driver})[:-1]
         tail = f",{_dumps(rest)[1:]}" if rest else "}"
-        text = f'{head},"claims":{{{claims}}}{tail}\n'
+        text = f'{self._head},"claims":{{{claims}}}{tail}\n'
         try:
             if self.lock.held:
                 # Counted first: a count without its write costs another process one needless reload at most.
                 count = self.lock.count() + 1
                 self.lock.set_count(count)
                 self._count = count
-            write_atomically(self.path, text, mode=0o600, durable=True)
-            self._seen = _identity(self.path)
+            written = write_atomically(self._name, text, mode=0o600, durable=True)
+            self._seen = (written.st_ino, written.st_mtime_ns, written.st_size, written.st_mode)
         except OSError as exc:
             raise CheckpointError(
                 f"cannot write the DRA checkpoint {self.path}: {exc.strerror or exc}"

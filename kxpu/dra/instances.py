@@ -34,7 +34,10 @@ class HostLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._name = str(path)
         self._fd: int | None = None
+        # The count as this holder last read or wrote it: only a holder writes it, so it stays true until release.
+        self._count: int | None = None
 
     @property
     def held(self) -> bool:
@@ -45,10 +48,10 @@ class HostLock:
         if self._fd is not None:
             return True
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(self._name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:  # its directory, only the first time (this runs on every prepare call)
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(self._name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -71,12 +74,16 @@ class HostLock:
         """The number the holders keep in the lock file (0 before the first): ``kxpu.dra.checkpoint`` counts its
         writes there, so another process tells a change that its file's inode, time and size may not show."""
         assert self._fd is not None, "only the holder reads the count"
-        data = os.pread(self._fd, 8, 0)
-        return int.from_bytes(data, "little") if len(data) == 8 else 0
+        if self._count is None:  # read once per hold: no other process writes it meanwhile
+            data = os.pread(self._fd, 8, 0)
+            self._count = int.from_bytes(data, "little") if len(data) == 8 else 0
+        return self._count
 
     def set_count(self, value: int) -> None:
         assert self._fd is not None, "only the holder writes the count"
+        self._count = None  # read again should the write fail
         os.pwrite(self._fd, value.to_bytes(8, "little"), 0)
+        self._count = value
 
     def peek_count(self) -> int:
         """The count without taking the lock (at start, before the file it guards is read): 0 when none."""
@@ -92,7 +99,7 @@ class HostLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            fd, self._fd = self._fd, None
+            fd, self._fd, self._count = self._fd, None, None
             os.close(fd)  # closing the only descriptor drops the flock
 
     @contextlib.asynccontextmanager

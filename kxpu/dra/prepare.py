@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -128,7 +129,7 @@ class _Unsaved:
 
     ref: ClaimRef
     allocation: ClaimAllocation
-    spec_path: Path | None
+    spec_path: str | None
     handles: list[Mapping[str, str | int]]
     making: Making | None  # its write-ahead partition record, dropped by the record
     devices: tuple[PreparedDevice, ...]
@@ -217,7 +218,11 @@ class Preparer:
                 self.status.prepared(ClaimRef(claim.namespace, uid, claim.name), self.pool, devices_of)
 
     def spec_path(self, uid: str) -> Path:
-        return self.cdi_dir / f"{self._spec_prefix}{uid}.json"
+        return Path(self._spec_file(uid))
+
+    def _spec_file(self, uid: str) -> str:
+        """The claim's CDI spec file (a string: a Path made and turned back into text costs more than the name)."""
+        return f"{os.fspath(self.cdi_dir)}/{self._spec_prefix}{uid}.json"
 
     # -- prepare ----------------------------------------------------------------------------------------
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, Prepared]:
@@ -319,14 +324,16 @@ class Preparer:
                 failed.append((claim.ref, message))
                 await self._undo(claim)
             return failed[::-1]
+        logged = self.log.is_enabled_for(logging.INFO)  # its fields are not built for nothing
         for claim in unsaved:
-            self.log.info(
-                "claim prepared",
-                claim=claim.ref.ref,
-                uid=claim.ref.uid,
-                devices={d.device: d.id for d in claim.devices},
-                cdi=[c for d in claim.devices for c in d.cdi_device_ids],
-            )
+            if logged:
+                self.log.info(
+                    "claim prepared",
+                    claim=claim.ref.ref,
+                    uid=claim.ref.uid,
+                    devices={d.device: d.id for d in claim.devices},
+                    cdi=[c for d in claim.devices for c in d.cdi_device_ids],
+                )
             if self.status is not None:  # only a claim on disk is announced in its status
                 self.status.prepared(claim.ref, self.pool, list(claim.held))
         unsaved.clear()
@@ -340,7 +347,8 @@ class Preparer:
         if claim.making is not None:
             self.checkpoint.making[uid] = claim.making
         if claim.spec_path is not None:
-            claim.spec_path.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claim.spec_path)
         if self.metadata is not None:
             with contextlib.suppress(OSError):
                 requests = {parent_request(a.request) for a in claim.allocation.devices}
@@ -374,7 +382,7 @@ class Preparer:
         chosen, handles = await self._realize(allocation, chosen)
         # From here on, whatever stops this prepare (a refusal, the backend, the kubelet's deadline cancelling
         # the call) releases the partitions just made and removes what was written: nothing is left behind.
-        spec_path: Path | None = None
+        spec_path: str | None = None
         by_name = {allocated.device: device for allocated, device in chosen}
         try:
             prepared, entries = await self._devices_and_edits(ref, allocation, chosen, handles)
@@ -385,9 +393,7 @@ class Preparer:
             await self._undo(_Unsaved(ref, allocation, spec_path, list(handles.values()), None, ()))
             raise
         devices = tuple(prepared)
-        self.checkpoint.claims[ref.uid] = PreparedClaim(
-            ref.namespace, ref.name, str(spec_path) if spec_path else None, devices
-        )
+        self.checkpoint.claims[ref.uid] = PreparedClaim(ref.namespace, ref.name, spec_path, devices)
         making = self.checkpoint.making.pop(ref.uid, None)  # the record replaces it (in the same write)
         held = tuple((p, by_name.get(p.device)) for p in devices)
         unsaved.append(_Unsaved(ref, allocation, spec_path, list(handles.values()), making, devices, held))
@@ -870,8 +876,8 @@ class Preparer:
         for request, edits in edits_of.items():
             edits.env.update(extras.get(request, {}))
 
-    def _write_spec(self, uid: str, entries: list[tuple[str, ContainerEdits]]) -> Path:
-        path = self.spec_path(uid)
+    def _write_spec(self, uid: str, entries: list[tuple[str, ContainerEdits]]) -> str:
+        path = self._spec_file(uid)
         try:
             write_device_spec(path, self.cdi_kind, entries)
         except InvalidSpec as exc:
@@ -931,7 +937,7 @@ class Preparer:
                 except Exception as exc:
                     results[ref.uid] = self._unprepare_failure(ref, "cannot destroy its partitions", exc)
                     continue
-            path = os.path.join(self.cdi_dir, f"{self._spec_prefix}{ref.uid}.json")
+            path = self._spec_file(ref.uid)
             paths = {path, known.cdi_spec or path} if known is not None else {path}
             try:
                 for path in paths:
