@@ -236,3 +236,24 @@ async def test_after_a_410_the_cache_answers_nothing_until_it_has_listed_again()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+def test_the_cache_size_on_metrics_follows_its_claims() -> None:
+    """``kxpu_dra_claim_cache_claims`` is read when /metrics is asked: events, a prepare's take and a relist all
+    show in it without the cache setting it each time."""
+    from prometheus_client import REGISTRY
+
+    def size() -> float | None:
+        return REGISTRY.get_sample_value("kxpu_dra_claim_cache_claims", {"driver": DRIVER})
+
+    cache = ClaimCache(DRIVER, NODE)
+    cache.synced = True
+    assert size() == 0
+    cache.apply("ADDED", claim("a", "u1", [result("sim-0")]))
+    cache.apply("ADDED", claim("b", "u2", [result("sim-1")]))
+    cache.apply("ADDED", claim("c", "u3", [result("sim-2", pool="node-b")]))  # not this node's
+    assert size() == 2
+    assert cache.take("default", "a", "u1") is not None
+    assert size() == 1
+    cache.apply("DELETED", claim("b", "u2", [result("sim-1")]))
+    assert size() == 0

@@ -461,3 +461,26 @@ async def test_another_process_writing_twice_within_one_clock_tick_is_still_seen
     error = (await rig.preparer.prepare([again]))[again.uid].error or ""
     assert f"already prepared for ResourceClaim default/{claims[1].name}" in error, error
     assert set(json.loads(path.read_text())["claims"]) == {claims[1].uid}
+
+
+async def test_the_prepared_claims_on_metrics_follow_the_checkpoint(rig: Rig) -> None:
+    """``kxpu_dra_claims_prepared`` is what the checkpoint holds when /metrics is asked: this process's prepares
+    and unprepares, and what another process of the driver wrote, once this one has reloaded it."""
+    from prometheus_client import REGISTRY
+
+    def prepared() -> float | None:
+        return REGISTRY.get_sample_value("kxpu_dra_claims_prepared", {"driver": DRIVER})
+
+    claims = [rig.api.add_claim(f"c{n}", [result(f"sim-{n}")]) for n in range(3)]
+    assert prepared() == 0
+    assert all(a.error is None for a in (await rig.preparer.prepare(claims[:2])).values())
+    assert prepared() == 2
+    other = Checkpoint(rig.preparer.checkpoint.path, DRIVER)  # another process of the driver
+    other.load()
+    async with other.exclusive():
+        other.claims.pop(claims[0].uid)
+        other.save()
+    assert (await rig.preparer.unprepare(claims[2:]))[claims[2].uid] is None  # reloads what the other wrote
+    assert prepared() == 1
+    assert (await rig.preparer.unprepare(claims[1:2]))[claims[1].uid] is None
+    assert prepared() == 0

@@ -87,27 +87,36 @@ class PreparedClaim:
         return f"{self.namespace}/{self.name}"
 
 
+def _device_to_json(d: PreparedDevice) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "requests": list(d.requests),
+        "pool": d.pool,
+        "device": d.device,
+        "id": d.id,
+        "cdiDeviceIDs": list(d.cdi_device_ids),
+    }
+    # The optional fields in this order, each only when set.
+    if d.share_id:
+        out["shareID"] = d.share_id
+    if d.memory_mib is not None:
+        out["memoryMiB"] = d.memory_mib
+    if d.cores is not None:
+        out["cores"] = d.cores
+    if d.partition:
+        out["partition"] = dict(d.partition)
+    if d.admin_access:
+        out["adminAccess"] = True
+    if d.parent:
+        out["parent"] = d.parent
+    return out
+
+
 def _claim_to_json(claim: PreparedClaim) -> dict[str, Any]:
     return {
         "namespace": claim.namespace,
         "name": claim.name,
         "cdiSpec": claim.cdi_spec,
-        "devices": [
-            {
-                "requests": list(d.requests),
-                "pool": d.pool,
-                "device": d.device,
-                "id": d.id,
-                "cdiDeviceIDs": list(d.cdi_device_ids),
-                **({"shareID": d.share_id} if d.share_id else {}),
-                **({"memoryMiB": d.memory_mib} if d.memory_mib is not None else {}),
-                **({"cores": d.cores} if d.cores is not None else {}),
-                **({"partition": dict(d.partition)} if d.partition else {}),
-                **({"adminAccess": True} if d.admin_access else {}),
-                **({"parent": d.parent} if d.parent else {}),
-            }
-            for d in claim.devices
-        ],
+        "devices": [_device_to_json(d) for d in claim.devices],
     }
 
 

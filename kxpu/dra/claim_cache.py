@@ -135,7 +135,8 @@ class ClaimCache:
         self.synced = False
         self._claims: dict[str, dict[str, Any]] = {}  # UID → trimmed claim
         self._pods: dict[str, frozenset[str]] = {}  # UID → its reservedFor pod UIDs, while allocated here
-        self._size = metrics.CLAIM_CACHE_CLAIMS.labels(driver)
+        # Read when /metrics is asked, not set on every event and prepare.
+        metrics.CLAIM_CACHE_CLAIMS.labels(driver).set_function(lambda: len(self._claims))
         self.log = log.bind(driver=driver)
 
     def __len__(self) -> int:
@@ -148,7 +149,6 @@ class ClaimCache:
         if claim is None or claim["metadata"]["namespace"] != namespace or claim["metadata"]["name"] != name:
             return None
         del self._claims[uid]
-        self._size.set(len(self._claims))
         return claim
 
     def pods_of(self, uid: str) -> frozenset[str] | None:
@@ -168,7 +168,6 @@ class ClaimCache:
         else:
             self._claims[uid] = kept
             self._pods[uid] = reserved_pods(claim)
-        self._size.set(len(self._claims))
 
     def forget(self) -> None:
         """The watch broke: answer nothing until the next list has ended."""
@@ -190,7 +189,6 @@ class ClaimCache:
 
         version = await self.api.list_claims(keep)
         self._claims, self._pods = fresh, pods
-        self._size.set(len(fresh))
         self.synced = True
         return version
 

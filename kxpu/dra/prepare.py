@@ -185,7 +185,8 @@ class Preparer:
         self._prepare_seconds = metrics.PREPARE_SECONDS.labels(driver)
         self._unprepare_seconds = metrics.UNPREPARE_SECONDS.labels(driver)
         self._prepare_errors = metrics.PREPARE_ERRORS.labels(driver)
-        self._claims_prepared = metrics.CLAIMS_PREPARED.labels(driver)
+        # Read when /metrics is asked (what the checkpoint holds, whichever process wrote it), not set per call.
+        metrics.CLAIMS_PREPARED.labels(driver).set_function(lambda: len(self.checkpoint.claims))
         self._reads_cache = metrics.CLAIM_READS.labels(driver, "cache")
         self._reads_api = metrics.CLAIM_READS.labels(driver, "api")
         self._spec_prefix = f"kxpu-dra-{driver}-"
@@ -258,7 +259,6 @@ class Preparer:
                 while unsaved:
                     await self._undo(unsaved.pop())
                 raise
-            self._claims_prepared.set(len(self.checkpoint.claims))
         for ref, message in failed:
             await self.claims.claim_event(ref, "KxpuPrepareFailed", message)
         return results
@@ -970,7 +970,6 @@ class Preparer:
                 if self.status is not None:
                     for uid, claim in removed.items():
                         self.status.clear(ClaimRef(claim.namespace, uid, claim.name))
-        self._claims_prepared.set(len(self.checkpoint.claims))
         return results
 
     def _remove_metadata(self, uid: str, known: PreparedClaim) -> None:
