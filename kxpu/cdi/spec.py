@@ -105,11 +105,15 @@ def build_spec(kind: str, devices: Sequence[tuple[str, ContainerEdits]]) -> Spec
     return spec
 
 
+_EDIT_FIELDS = frozenset(
+    {"env", "deviceNodes", "mounts", "hooks", "intelRdt", "additionalGids", "netDevices"}
+)
+
+
 def _check_edits(edits: Mapping[str, Any], where: str, device: bool) -> list[str]:
     errors: list[str] = []
-    allowed = {"env", "deviceNodes", "mounts", "hooks", "intelRdt", "additionalGids", "netDevices"}
     for key in edits:
-        if key not in allowed:
+        if key not in _EDIT_FIELDS:
             errors.append(f"{where}: unknown containerEdits field {key!r}")
     if device and not any(edits.get(k) for k in ("env", "deviceNodes", "mounts", "hooks")):
         errors.append(f"{where}: a device's containerEdits must not be empty")

@@ -113,6 +113,10 @@ def allocation_for(claim: Mapping[str, Any], uid: str, driver: str, pool: str) -
     return ClaimAllocation(namespace, name, uid, tuple(mine), configs)
 
 
+# A request no config names: one object for all (frozen; merged_with makes a new one).
+_NO_CONFIG = DeviceConfig()
+
+
 def _configs(
     allocation: Mapping[str, Any], driver: str, ref: str, requests: set[str]
 ) -> dict[str, DeviceConfig]:
@@ -120,7 +124,7 @@ def _configs(
     claim's, so later entries override earlier ones (``env`` key by key); an entry without ``requests``
     applies to every request (a request also matches its parent's name: ``gpu`` configures ``gpu/a100``)."""
     entries = _get(allocation, "devices", "config") or []
-    merged: dict[str, DeviceConfig] = {r: DeviceConfig() for r in requests}
+    merged: dict[str, DeviceConfig] = dict.fromkeys(requests, _NO_CONFIG)
     for n, entry in enumerate(entries if isinstance(entries, (list, Sequence)) else []):
         opaque = _get(entry, "opaque")
         if not isinstance(opaque, (dict, Mapping)) or opaque.get("driver") != driver:

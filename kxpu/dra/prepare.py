@@ -932,7 +932,7 @@ class Preparer:
                             claim=ref.ref,
                             partitions=[str(h.get("id") or h.get("uuid") or h) for h in handles],
                         )
-                    else:
+                    elif handles:
                         await self._release(handles)
                 except Exception as exc:
                     results[ref.uid] = self._unprepare_failure(ref, "cannot destroy its partitions", exc)
@@ -952,7 +952,7 @@ class Preparer:
                 removed[ref.uid] = self.checkpoint.claims.pop(ref.uid)
             results[ref.uid] = None
             self._unprepare_seconds.observe(time.perf_counter() - started)
-            if known is not None:
+            if known is not None and self.log.is_enabled_for(logging.INFO):
                 self.log.info("claim unprepared", claim=ref.ref, uid=ref.uid)
         if removed:
             releasing = self.checkpoint.releasing
