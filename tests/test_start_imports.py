@@ -9,6 +9,7 @@ imported, until it registered and stopped, from that report on its stderr.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.dra import DraKubeletStandIn
 from kxpu.testing.process import DaemonProcess
+from tests.waiting import wait_until
 
 # Never loaded by a daemon whose config does not use them (the feature's own config model aside: the config
 # file composes every feature's model).
@@ -118,3 +120,84 @@ async def test_a_dra_node_loads_no_vendor_sharing_or_telemetry_code(workdir: Pat
     modules = _loaded(log)
     assert "kxpu.dra.plugin" in modules  # the report is read
     assert _unexpected(modules, ALWAYS_UNUSED) == []
+
+
+# Loaded only once the kubelet has the node's devices: registration does not need them.
+AFTER_REGISTRATION = ["prometheus_client", "h11", "kxpu.daemon.http"]
+_LIGHTKUBE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*lightkube$", re.M)
+
+
+def _first_line(log: str, pattern: str) -> int:
+    match = re.search(pattern, log, re.M)
+    assert match, pattern
+    return log.count("\n", 0, match.start())
+
+
+def _import_line(log: str, module: str) -> int:
+    return _first_line(log, rf"^import time:\s+\d+ \|\s+\d+ \|\s*{re.escape(module)}$")
+
+
+async def _metrics(daemon: DaemonProcess) -> str:
+    """/metrics, waited for: the HTTP server is up a moment after the registration."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while (answer := await daemon.http_get("/metrics"))[0] != 200:
+        assert asyncio.get_running_loop().time() < deadline, answer
+        await asyncio.sleep(0.01)
+    return answer[1]
+
+
+def _value(metrics: str, series: str) -> float:
+    match = re.search(rf"^{re.escape(series)} (\S+)$", metrics, re.M)
+    assert match, series
+    return float(match.group(1))
+
+
+async def test_a_device_plugin_registers_before_it_loads_metrics_and_http_and_loses_no_metric(
+    workdir: Path,
+) -> None:
+    config = _config(workdir, dra=False)
+    kubelet = KubeletStandIn(workdir / "dp")
+    await kubelet.start()
+    log = workdir / "daemon.log"
+    daemon = DaemonProcess(config, log, env={"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent"})
+    await daemon.start()
+    try:
+        await kubelet.wait_registered("example.com/npu", timeout=60)
+        metrics = await _metrics(daemon)
+        assert (await daemon.http_get("/readyz"))[0] in (200, 503)  # the probes are served as well
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+    text = log.read_text()
+    registered = _first_line(text, r"event=\"registered with the kubelet\"")
+    assert all(_import_line(text, m) > registered for m in AFTER_REGISTRATION), text
+    # What the metrics were given before prometheus-client loaded (discovery, the registration) is exported.
+    resource = 'resource="example.com/npu"'
+    assert _value(metrics, f"kxpu_registrations_total{{{resource}}}") == 1
+    assert _value(metrics, f"kxpu_resource_registered{{{resource}}}") == 1
+    assert _value(metrics, f'kxpu_resource_devices{{{resource},state="capacity"}}') == 8
+    assert len(re.findall(r"^kxpu_device_health\{.*\} 1\.0$", metrics, re.M)) == 8
+
+
+async def test_a_dra_driver_registers_before_it_loads_the_api_client_metrics_and_http(workdir: Path) -> None:
+    config = _config(workdir, dra=True)
+    kubelet = DraKubeletStandIn(workdir / "registry")
+    await kubelet.start()
+    log = workdir / "daemon.log"
+    env = {"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent", "NODE_NAME": "node-a"}
+    daemon = DaemonProcess(config, log, env=env)
+    await daemon.start()
+    try:
+        await kubelet.wait_registered("npu.example.com", timeout=60)
+        metrics = await _metrics(daemon)
+        # The API side starts after the registration all the same (and fails: there is no API server here).
+        await wait_until(lambda: _LIGHTKUBE.search(daemon.log_text()) is not None, what="lightkube loaded")
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+    text = log.read_text()
+    registered = _first_line(text, r"component=kxpu\.dra\.plugin event=\"registered with the kubelet\"")
+    assert all(_import_line(text, m) > registered for m in [*AFTER_REGISTRATION, "lightkube"]), text
+    assert _value(metrics, 'kxpu_dra_registered{driver="npu.example.com"}') == 1
