@@ -99,7 +99,9 @@ async def test_a_device_plugin_node_loads_no_dra_kubernetes_vendor_or_sharing_co
         await daemon.stop()
         await kubelet.stop()
     modules = _loaded(log)
-    assert "kxpu.daemon.servicer" in modules and "kxpu.backends.simulated" in modules  # the report is read
+    # The report is read. (A module imported by name, importlib.import_module, is not in it, only what it imports:
+    # the simulated backend, loaded for its config key, shows through its partitions.)
+    assert "kxpu.daemon.servicer" in modules and "kxpu.backends.partitions" in modules
     assert _unexpected(modules, DEVICE_PLUGIN_UNUSED) == []
 
 
@@ -201,3 +203,43 @@ async def test_a_dra_driver_registers_before_it_loads_the_api_client_metrics_and
     registered = _first_line(text, r"component=kxpu\.dra\.plugin event=\"registered with the kubelet\"")
     assert all(_import_line(text, m) > registered for m in [*AFTER_REGISTRATION, "lightkube"]), text
     assert _value(metrics, 'kxpu_dra_registered{driver="npu.example.com"}') == 1
+
+
+async def test_a_node_of_one_vendor_loads_no_other_backend_nor_the_simulated_one(workdir: Path) -> None:
+    """An NVIDIA node with telemetry on (over the fake NVML, which plays the machine in the daemon): neither the
+    simulated backend (with its partitions, env templates and mounts) nor another vendor's is loaded."""
+    config = workdir / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "version": "v1",
+                "devicePluginDir": str(workdir / "dp"),
+                "kubeletPluginsDir": str(workdir / "plugins"),
+                "pluginsRegistryDir": str(workdir / "registry"),
+                "podResourcesSocket": str(workdir / "pod-resources.sock"),
+                "resources": [{"name": "nvidia.com/gpu", "nvidia": {}}],
+                "telemetry": {"enabled": True},
+            }
+        )
+    )
+    kubelet = KubeletStandIn(workdir / "dp")
+    await kubelet.start()
+    log = workdir / "daemon.log"
+    env = {"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent", "KXPU_FAKE_NVML": "a100-8x"}
+    daemon = DaemonProcess(config, log, env=env)
+    await daemon.start()
+    try:
+        await kubelet.wait_registered("nvidia.com/gpu", timeout=60)
+        await _metrics(daemon)  # telemetry has started (after the registration)
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+    modules = _loaded(log)
+    assert (
+        "kxpu.backends.nvidia.backend" in modules and "kxpu.daemon.telemetry" in modules
+    )  # the report is read
+    others = [v for v in VENDORS if v != "kxpu.backends.nvidia"]
+    # (the simulated module itself would not be in the report, imported by name: what it imports would)
+    simulated = [f"kxpu.backends.{m}" for m in ("simulated", "partitions", "templates", "mounts")]
+    assert _unexpected(modules, [*others, *simulated]) == []
