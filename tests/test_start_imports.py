@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.dra import DraKubeletStandIn
 from kxpu.testing.process import DaemonProcess
@@ -140,12 +142,18 @@ def _import_line(log: str, module: str) -> int:
 
 
 async def _metrics(daemon: DaemonProcess) -> str:
-    """/metrics, waited for: the HTTP server is up a moment after the registration."""
+    """/metrics, waited for: the HTTP server is up a moment after the registration (and the port is refused
+    until the starting process has taken it)."""
     deadline = asyncio.get_running_loop().time() + 10
-    while (answer := await daemon.http_get("/metrics"))[0] != 200:
+    while True:
+        try:
+            answer = await daemon.http_get("/metrics")
+        except OSError as exc:  # refused: the process has not reached its listen() yet
+            answer = (0, str(exc))
+        if answer[0] == 200:
+            return answer[1]
         assert asyncio.get_running_loop().time() < deadline, answer
         await asyncio.sleep(0.01)
-    return answer[1]
 
 
 def _value(metrics: str, series: str) -> float:
@@ -243,3 +251,22 @@ async def test_a_node_of_one_vendor_loads_no_other_backend_nor_the_simulated_one
     # (the simulated module itself would not be in the report, imported by name: what it imports would)
     simulated = [f"kxpu.backends.{m}" for m in ("simulated", "partitions", "templates", "mounts")]
     assert _unexpected(modules, [*others, *simulated]) == []
+
+
+@pytest.mark.parametrize("dra", [False, True], ids=["device-plugin", "dra"])
+async def test_without_a_kubelet_the_probes_and_metrics_still_come_up(workdir: Path, dra: bool) -> None:
+    """The HTTP server waits for the registration only so long: with no kubelet at all (a DRA driver then never
+    registers) /healthz, /readyz and /metrics answer all the same."""
+    config = _config(workdir, dra=dra)
+    env = {"KUBECONFIG": "/nonexistent", "NODE_NAME": "node-a"}
+    daemon = DaemonProcess(config, workdir / "daemon.log", env=env)
+    await daemon.start()
+    try:
+        metrics = await _metrics(daemon)
+        assert (await daemon.http_get("/healthz"))[0] == 200
+        status, body = await daemon.http_get("/readyz")
+        assert status == 503 and json.loads(body)["resources"]["example.com/npu"] != "registered"
+        assert ("kxpu_dra_registered" if dra else "kxpu_resource_devices") in metrics
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()
