@@ -172,7 +172,7 @@ def plugin(
 ) -> None:
     """Serve the configured resources to the kubelet (the node daemon)."""
     from kxpu.daemon import Daemon
-    from kxpu.daemon.http import HttpAddressError, parse_address
+    from kxpu.daemon.http_listen import HttpAddressError, parse_address
 
     configure_logging(log_level, "json" if log_format == "json" else "text")
     config = _load(config_path, device_plugin_dir, imports)

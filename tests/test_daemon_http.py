@@ -19,6 +19,7 @@ import pytest
 import structlog
 
 from kxpu.daemon.http import HealthServer, Limits
+from kxpu.daemon.http_listen import Listener
 from kxpu.testing.process import DaemonProcess
 from tests.test_daemon import simulated
 from tests.waiting import wait_until
@@ -279,3 +280,38 @@ async def test_a_failing_handler_is_a_500_and_one_line() -> None:
             "log_level": "error",
         }
     ]
+
+
+async def test_a_connection_made_before_the_server_is_there_is_answered_once_it_is() -> None:
+    """The daemon takes its port before it registers and starts the server after: a probe that connects in
+    between waits for its answer instead of being refused."""
+    listener = Listener("127.0.0.1:0")
+    await listener.open()
+    reader, writer = await _open(listener.port)
+    writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    early = asyncio.ensure_future(_answer(reader))
+    await wait_until(lambda: bool(listener._waiting), what="the connection accepted")
+    assert not early.done()  # accepted, and held
+    http = HealthServer(listener.address, _ready, _status)
+    await http.start(listener)
+    try:
+        assert (await early).startswith(b"HTTP/1.1 200 ")
+        assert (await _get(http.port, "/healthz"))[0] == 200
+    finally:
+        await http.stop()
+    with pytest.raises(OSError):  # stopped: the port is free again
+        await _open(listener.port)
+
+
+async def test_a_listener_closed_before_its_server_came_closes_the_waiting_connections() -> None:
+    listener = Listener("127.0.0.1:0")
+    await listener.open()
+    reader, writer = await _open(listener.port)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    await wait_until(lambda: bool(listener._waiting), what="the connection accepted")
+    await listener.close()
+    with contextlib.suppress(ConnectionResetError):
+        assert await _answer(reader) == b""  # closed, nothing said
+    writer.close()

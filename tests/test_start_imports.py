@@ -9,14 +9,18 @@ imported, until it registered and stopped, from that report on its stderr.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.dra import DraKubeletStandIn
 from kxpu.testing.process import DaemonProcess
+from tests.waiting import wait_until
 
 # Never loaded by a daemon whose config does not use them (the feature's own config model aside: the config
 # file composes every feature's model).
@@ -97,7 +101,9 @@ async def test_a_device_plugin_node_loads_no_dra_kubernetes_vendor_or_sharing_co
         await daemon.stop()
         await kubelet.stop()
     modules = _loaded(log)
-    assert "kxpu.daemon.servicer" in modules and "kxpu.backends.simulated" in modules  # the report is read
+    # The report is read. (A module imported by name, importlib.import_module, is not in it, only what it imports:
+    # the simulated backend, loaded for its config key, shows through its partitions.)
+    assert "kxpu.daemon.servicer" in modules and "kxpu.backends.partitions" in modules
     assert _unexpected(modules, DEVICE_PLUGIN_UNUSED) == []
 
 
@@ -118,3 +124,149 @@ async def test_a_dra_node_loads_no_vendor_sharing_or_telemetry_code(workdir: Pat
     modules = _loaded(log)
     assert "kxpu.dra.plugin" in modules  # the report is read
     assert _unexpected(modules, ALWAYS_UNUSED) == []
+
+
+# Loaded only once the kubelet has the node's devices: registration does not need them.
+AFTER_REGISTRATION = ["prometheus_client", "h11", "kxpu.daemon.http"]
+_LIGHTKUBE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*lightkube$", re.M)
+
+
+def _first_line(log: str, pattern: str) -> int:
+    match = re.search(pattern, log, re.M)
+    assert match, pattern
+    return log.count("\n", 0, match.start())
+
+
+def _import_line(log: str, module: str) -> int:
+    return _first_line(log, rf"^import time:\s+\d+ \|\s+\d+ \|\s*{re.escape(module)}$")
+
+
+async def _metrics(daemon: DaemonProcess) -> str:
+    """/metrics, waited for: the HTTP server is up a moment after the registration (and the port is refused
+    until the starting process has taken it)."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        try:
+            answer = await daemon.http_get("/metrics")
+        except OSError as exc:  # refused: the process has not reached its listen() yet
+            answer = (0, str(exc))
+        if answer[0] == 200:
+            return answer[1]
+        assert asyncio.get_running_loop().time() < deadline, answer
+        await asyncio.sleep(0.01)
+
+
+def _value(metrics: str, series: str) -> float:
+    match = re.search(rf"^{re.escape(series)} (\S+)$", metrics, re.M)
+    assert match, series
+    return float(match.group(1))
+
+
+async def test_a_device_plugin_registers_before_it_loads_metrics_and_http_and_loses_no_metric(
+    workdir: Path,
+) -> None:
+    config = _config(workdir, dra=False)
+    kubelet = KubeletStandIn(workdir / "dp")
+    await kubelet.start()
+    log = workdir / "daemon.log"
+    daemon = DaemonProcess(config, log, env={"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent"})
+    await daemon.start()
+    try:
+        await kubelet.wait_registered("example.com/npu", timeout=60)
+        metrics = await _metrics(daemon)
+        assert (await daemon.http_get("/readyz"))[0] in (200, 503)  # the probes are served as well
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+    text = log.read_text()
+    registered = _first_line(text, r"event=\"registered with the kubelet\"")
+    assert all(_import_line(text, m) > registered for m in AFTER_REGISTRATION), text
+    # What the metrics were given before prometheus-client loaded (discovery, the registration) is exported.
+    resource = 'resource="example.com/npu"'
+    assert _value(metrics, f"kxpu_registrations_total{{{resource}}}") == 1
+    assert _value(metrics, f"kxpu_resource_registered{{{resource}}}") == 1
+    assert _value(metrics, f'kxpu_resource_devices{{{resource},state="capacity"}}') == 8
+    assert len(re.findall(r"^kxpu_device_health\{.*\} 1\.0$", metrics, re.M)) == 8
+
+
+async def test_a_dra_driver_registers_before_it_loads_the_api_client_metrics_and_http(workdir: Path) -> None:
+    config = _config(workdir, dra=True)
+    kubelet = DraKubeletStandIn(workdir / "registry")
+    await kubelet.start()
+    log = workdir / "daemon.log"
+    env = {"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent", "NODE_NAME": "node-a"}
+    daemon = DaemonProcess(config, log, env=env)
+    await daemon.start()
+    try:
+        await kubelet.wait_registered("npu.example.com", timeout=60)
+        metrics = await _metrics(daemon)
+        # The API side starts after the registration all the same (and fails: there is no API server here).
+        await wait_until(lambda: _LIGHTKUBE.search(daemon.log_text()) is not None, what="lightkube loaded")
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+    text = log.read_text()
+    registered = _first_line(text, r"component=kxpu\.dra\.plugin event=\"registered with the kubelet\"")
+    assert all(_import_line(text, m) > registered for m in [*AFTER_REGISTRATION, "lightkube"]), text
+    assert _value(metrics, 'kxpu_dra_registered{driver="npu.example.com"}') == 1
+
+
+async def test_a_node_of_one_vendor_loads_no_other_backend_nor_the_simulated_one(workdir: Path) -> None:
+    """An NVIDIA node with telemetry on (over the fake NVML, which plays the machine in the daemon): neither the
+    simulated backend (with its partitions, env templates and mounts) nor another vendor's is loaded."""
+    config = workdir / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "version": "v1",
+                "devicePluginDir": str(workdir / "dp"),
+                "kubeletPluginsDir": str(workdir / "plugins"),
+                "pluginsRegistryDir": str(workdir / "registry"),
+                "podResourcesSocket": str(workdir / "pod-resources.sock"),
+                "resources": [{"name": "nvidia.com/gpu", "nvidia": {}}],
+                "telemetry": {"enabled": True},
+            }
+        )
+    )
+    kubelet = KubeletStandIn(workdir / "dp")
+    await kubelet.start()
+    log = workdir / "daemon.log"
+    env = {"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent", "KXPU_FAKE_NVML": "a100-8x"}
+    daemon = DaemonProcess(config, log, env=env)
+    await daemon.start()
+    try:
+        await kubelet.wait_registered("nvidia.com/gpu", timeout=60)
+        await _metrics(daemon)  # telemetry has started (after the registration)
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+    modules = _loaded(log)
+    assert (
+        "kxpu.backends.nvidia.backend" in modules and "kxpu.daemon.telemetry" in modules
+    )  # the report is read
+    others = [v for v in VENDORS if v != "kxpu.backends.nvidia"]
+    # (the simulated module itself would not be in the report, imported by name: what it imports would)
+    simulated = [f"kxpu.backends.{m}" for m in ("simulated", "partitions", "templates", "mounts")]
+    assert _unexpected(modules, [*others, *simulated]) == []
+
+
+@pytest.mark.parametrize("dra", [False, True], ids=["device-plugin", "dra"])
+async def test_without_a_kubelet_the_probes_and_metrics_still_come_up(workdir: Path, dra: bool) -> None:
+    """The HTTP server waits for the registration only so long: with no kubelet at all (a DRA driver then never
+    registers) /healthz, /readyz and /metrics answer all the same."""
+    config = _config(workdir, dra=dra)
+    env = {"KUBECONFIG": "/nonexistent", "NODE_NAME": "node-a"}
+    daemon = DaemonProcess(config, workdir / "daemon.log", env=env)
+    await daemon.start()
+    try:
+        metrics = await _metrics(daemon)
+        assert (await daemon.http_get("/healthz"))[0] == 200
+        status, body = await daemon.http_get("/readyz")
+        assert status == 503 and json.loads(body)["resources"]["example.com/npu"] != "registered"
+        assert ("kxpu_dra_registered" if dra else "kxpu_resource_devices") in metrics
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.stop()

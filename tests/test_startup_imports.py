@@ -8,6 +8,7 @@ gRPC client) must load only when a config uses them. Checked in a fresh interpre
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,31 @@ def test_the_dra_driver_loads_the_kubernetes_client_only_on_its_first_api_call()
     loaded = set(json.loads(out.stdout.splitlines()[-1]))
     assert "kxpu.dra.plugin" in loaded
     assert sorted(m for m in ("lightkube", "httpx", "kxpu.kube.client") if m in loaded) == []
+
+
+def test_a_vendor_node_loads_no_simulated_backend(tmp_path: Path) -> None:
+    """The simulated backend (with its partitions and env templates) loads for its config key, like every
+    other built-in: an NVIDIA node (the fake NVML playing its machine) never has it in memory."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "version": "v1",
+                "devicePluginDir": str(tmp_path / "dp"),
+                "resources": [{"name": "nvidia.com/gpu", "nvidia": {}}],
+            }
+        )
+    )
+    probe = "import kxpu.testing.fake_nvml\n" + PROBE
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(config)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KXPU_FAKE_NVML": "a100-8x"},
+    )
+    loaded = set(json.loads(out.stdout.splitlines()[-1]))
+    assert "kxpu.backends.nvidia.backend" in loaded  # the probe did build the backend
+    unused = ("kxpu.backends.simulated", "kxpu.backends.partitions", "kxpu.backends.templates")
+    assert sorted(m for m in unused if m in loaded) == []

@@ -21,9 +21,11 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
-from kxpu.daemon import metrics, telemetry_metrics
+from kxpu.daemon import late_metrics, metrics, telemetry_metrics
 from kxpu.dra import metrics as dra_metrics
 from kxpu.sharing import extender_metrics, webhook_metrics
+
+late_metrics.load()  # as the daemon does once it has registered: the node's metrics are in the registry from then
 
 GRAFANA = Path(__file__).resolve().parents[1] / "grafana"
 # dashboard file -> (its uid, the metric names it must show and may query)
@@ -146,8 +148,10 @@ def label_names() -> dict[str, set[str]]:
     allocation gauges and the telemetry gauges come from collectors that declare them in CACHE_LABELS and
     LABELS)."""
     out = {}
-    for module in (metrics, telemetry_metrics, extender_metrics, webhook_metrics):
+    for module in (metrics, dra_metrics, telemetry_metrics, extender_metrics, webhook_metrics):
         for obj in vars(module).values():
+            if isinstance(obj, late_metrics.LateMetric):
+                obj = obj.real
             if isinstance(obj, MetricWrapperBase):
                 out[obj._name] = set(obj._labelnames)
     for name, names in [*extender_metrics.CACHE_LABELS.items(), *telemetry_metrics.LABELS.items()]:

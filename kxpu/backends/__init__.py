@@ -1,7 +1,6 @@
-"""Device backends. Importing this package registers the simulated backend; the others (`generic` and
-every vendor's) load on first use of their key (see registry._LAZY_BUILTINS)."""
+"""Device backends. Every built-in backend (``simulated``, ``generic`` and every vendor's) loads on first use of its
+key (see registry._LAZY_BUILTINS): a node daemon loads only the backends its config names."""
 
-from kxpu.backends import simulated
 from kxpu.backends.registry import BackendConfig, import_backend_module, lookup, register_backend
 
 __all__ = [
@@ -9,5 +8,4 @@ __all__ = [
     "import_backend_module",
     "lookup",
     "register_backend",
-    "simulated",
 ]

@@ -111,9 +111,10 @@ def import_backend_module(module: str) -> None:
     importlib.import_module(module)
 
 
-# Built-in backends heavy enough (big config models, vendor libraries) to import only when a config
-# names them: every node daemon pays for what it loads.
+# Built-in backends, imported only when a config names them (their config models, vendor libraries):
+# every node daemon pays for what it loads.
 _LAZY_BUILTINS = {
+    "simulated": "kxpu.backends.simulated",
     "generic": "kxpu.backends.generic",
     "nvidia": "kxpu.backends.nvidia",
     "neuron": "kxpu.backends.neuron",

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kxpu.backoff import Backoff
 from kxpu.config import Config, ConfigError, ResourceConfig
-from kxpu.daemon import metrics
-from kxpu.daemon.http import Authorizer, HealthServer
+from kxpu.daemon import late_metrics, metrics
+from kxpu.daemon.http_listen import Listener
 from kxpu.daemon.kubelet_wait import warn_while_no_kubelet
 from kxpu.daemon.registration import file_identity
 from kxpu.daemon.resource import (
@@ -35,6 +35,7 @@ from kxpu.model import ConfigWarner, find_capability
 from kxpu.timeouts import wait_event
 
 if TYPE_CHECKING:
+    from kxpu.daemon.http import Authorizer, HealthServer
     from kxpu.daemon.telemetry import ExceededHandler, SourceView, TelemetrySampler
 
 log = get_logger("kxpu.daemon")
@@ -48,6 +49,12 @@ WORKER_GRACE_SECONDS = 2.0
 # stops in well under a second (its server's grace is 0.5 s); one that does not (a backend that ignores
 # cancellation) is abandoned with an error rather than holding up a rolling update or every later reload.
 STOP_SECONDS = 5.0
+# Registration first: what registering with the kubelet does not need (prometheus-client and the metrics, the
+# HTTP server, telemetry) loads once every resource has settled (``ResourceRunner.settled``), or after this long
+# from the start if one has not (slow discovery, a kubelet that does not answer). The HTTP port is taken at the
+# start all the same: a probe that connects meanwhile waits for its answer.
+LATE_START_SECONDS = 1.0
+SETTLE_POLL_SECONDS = 0.01
 
 
 class _TrackingExecutor(ThreadPoolExecutor):
@@ -153,20 +160,12 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
-        http = (
-            HealthServer(
-                self.http_address,
-                self.readiness,
-                self.status,
-                self._http_authorize,
-                self._http_protect_metrics,
-            )
-            if self.http_address
-            else None
-        )
+        late_metrics.defer()
+        listener = Listener(self.http_address) if self.http_address else None
+        http: HealthServer | None = None
         try:
-            if http is not None:
-                await http.start()  # HttpAddressError (one line) when the port is taken
+            if listener is not None:
+                await listener.open()  # HttpAddressError (one line) when the port is taken
             _make_plugin_dir(self.config.device_plugin_dir)
             log.info(
                 "starting",
@@ -180,9 +179,15 @@ class Daemon:
             no_kubelet = asyncio.create_task(
                 warn_while_no_kubelet(lambda: self.config.device_plugin_dir, self._waiting_for_kubelet)
             )
-            background = [self._watcher, resync, no_kubelet, *self._start_telemetry()]
+            background = [self._watcher, resync, no_kubelet]
             if self._leftovers is not None:
                 background.append(asyncio.create_task(self._leftovers.run(), name="draining DRA drivers"))
+            await self._settle(loop.time() + LATE_START_SECONDS)
+            late_metrics.load()
+            if not self._stop.is_set():
+                if listener is not None:
+                    http = await self._serve_http(listener)
+                background += self._start_telemetry()
             await self._stop.wait()
             log.info("stopping")
             for task in background:
@@ -192,8 +197,11 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         finally:
+            late_metrics.load()  # a failed start defers nothing any more (in-process tests run daemons again)
             if http is not None:
                 await http.stop()
+            elif listener is not None:
+                await listener.close()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
         await wait_event(workers.idle, WORKER_GRACE_SECONDS)
@@ -213,6 +221,30 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _settle(self, deadline: float) -> None:
+        """Until every resource has settled (registered, standing by, failed, or waiting for a kubelet that is
+        not there), a stop, or ``deadline``. Polled: a runner has no event for it, and this lasts at most
+        LATE_START_SECONDS once per start."""
+        loop = asyncio.get_running_loop()
+        while not self._stop.is_set() and loop.time() < deadline:
+            if all(r.runner.settled for r in self._running.values()):
+                return
+            await wait_event(self._stop, SETTLE_POLL_SECONDS)
+
+    async def _serve_http(self, listener: Listener) -> HealthServer:
+        """/metrics, the probes and /status on the port taken at the start (h11 and the exposition load here)."""
+        from kxpu.daemon.http import HealthServer
+
+        http = HealthServer(
+            listener.address,
+            self.readiness,
+            self.status,
+            self._http_authorize,
+            self._http_protect_metrics,
+        )
+        await http.start(listener)
+        return http
 
     def _start_telemetry(self) -> list[asyncio.Task[None]]:
         """The sampler (imported only when on: it registers its metrics). Turning telemetry on or off

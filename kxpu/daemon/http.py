@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -27,6 +25,7 @@ import h11
 from prometheus_client import REGISTRY
 from prometheus_client.exposition import choose_encoder
 
+from kxpu.daemon.http_listen import Listener, parse_address
 from kxpu.logs import get_logger, log_failure
 
 log = get_logger("kxpu.daemon.http")
@@ -49,18 +48,6 @@ class Limits:
     write_seconds: float = 10.0  # for the client to take a response
     max_head_bytes: int = 16 * 1024  # request line and headers
     max_body_bytes: int = 4 * 1024  # GET and HEAD only: nothing legitimate sends a body
-
-
-class HttpAddressError(Exception):
-    """The address cannot be listened on; the message says why and what to do."""
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``:5978`` → ("0.0.0.0", 5978); ``127.0.0.1:5978`` → ("127.0.0.1", 5978)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--http-address {address!r} must be [HOST]:PORT")
-    return (host.strip("[]") or "0.0.0.0", int(port))
 
 
 class _Reject(Exception):
@@ -98,7 +85,7 @@ class HealthServer:
         self.protected = frozenset({"/status", *(("/metrics",) if protect_metrics else ())})
         self.limits = limits or Limits()
         self.refused = 0  # connections turned away at the limit
-        self._server: asyncio.Server | None = None
+        self._listener: Listener | None = None
         self._connections: set[asyncio.Task[Any]] = set()
         self._per_address: dict[str, int] = {}  # client address → its connections being served
         self._lingering = 0  # connections being closed after a last answer (_linger)
@@ -107,13 +94,15 @@ class HealthServer:
     def connections(self) -> int:
         return len(self._connections)
 
-    async def start(self) -> None:
-        """Listen, or raise HttpAddressError saying why not in one line."""
-        try:
-            self._server = await asyncio.start_server(self._connection, self.host, self.port)
-        except OSError as exc:
-            raise HttpAddressError(_listen_error(self.address, exc)) from None
-        self.port = self._server.sockets[0].getsockname()[1]  # when asked for port 0
+    async def start(self, listener: Listener | None = None) -> None:
+        """Listen, or raise HttpAddressError saying why not in one line; or serve the port ``listener`` took
+        already (the daemon takes it before it registers, and starts this server after)."""
+        if listener is None:
+            listener = Listener(self.address)
+            await listener.open()
+        self._listener = listener
+        listener.hand_to(self._connection)
+        self.port = listener.port
         log.info(
             "serving metrics and probes",
             address=f"{self.host}:{self.port}",
@@ -124,15 +113,15 @@ class HealthServer:
             log.warning(problem)
 
     async def stop(self) -> None:
-        if self._server is None:
+        if self._listener is None:
             return
-        self._server.close()
+        assert self._listener.server is not None
+        self._listener.server.close()
         for task in list(self._connections):
             task.cancel()
         if self._connections:
             await asyncio.wait(list(self._connections), timeout=1.0)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        await self._listener.close()
 
     def _refuse(self, writer: asyncio.StreamWriter, reason: str, **why: Any) -> None:
         """503 at a connection limit; logged at the first refusal and every 1000th after it."""
@@ -333,13 +322,3 @@ def _raw(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
             + body
         )
-
-
-def _listen_error(address: str, exc: OSError) -> str:
-    reason = os.strerror(exc.errno) if exc.errno else str(exc)
-    if exc.errno == errno.EADDRINUSE:
-        return (
-            f"cannot listen on --http-address {address}: {reason} (another process listens on that port; "
-            "choose another with --http-address or KXPU_HTTP_ADDRESS, or an empty one to serve no HTTP)"
-        )
-    return f"cannot listen on --http-address {address}: {reason}"

@@ -1,13 +1,13 @@
 """Prometheus metrics of the node daemon. Names are documented in the README; the Grafana
-dashboard test checks it uses only names listed in METRIC_NAMES."""
+dashboard test checks it uses only names listed in METRIC_NAMES. Made once the daemon has registered
+(``kxpu.daemon.late_metrics``): what they are given before that is kept and replayed."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Mapping
 
-from prometheus_client import Counter, Gauge, Histogram
-
+from kxpu.daemon.late_metrics import LateMetric
 from kxpu.model import Device
 
 # Allocate is sub-millisecond when healthy; the tail matters.
@@ -15,29 +15,45 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1
 
 # `device` is the kubelet's device ID; `uuid` the physical device's (its UUID, else the ID), the label telemetry
 # series carry too, so that the two join on (resource, uuid) (docs/telemetry.md).
-DEVICE_HEALTH = Gauge(
-    "kxpu_device_health", "1 if the device is healthy, 0 if not", ["resource", "device", "uuid"]
+DEVICE_HEALTH = LateMetric(
+    "Gauge", "kxpu_device_health", "1 if the device is healthy, 0 if not", ["resource", "device", "uuid"]
 )
-RESOURCE_DEVICES = Gauge(
-    "kxpu_resource_devices", "Devices of a resource as the kubelet sees them", ["resource", "state"]
+RESOURCE_DEVICES = LateMetric(
+    "Gauge", "kxpu_resource_devices", "Devices of a resource as the kubelet sees them", ["resource", "state"]
 )
-RESOURCE_REGISTERED = Gauge("kxpu_resource_registered", "1 while registered with the kubelet", ["resource"])
-REGISTRATIONS = Counter("kxpu_registrations", "Successful registrations with the kubelet", ["resource"])
-KUBELET_RESTARTS = Counter("kxpu_kubelet_restarts", "Times kubelet.sock was seen re-created")
-ALLOCATE_SECONDS = Histogram(
-    "kxpu_allocate_duration_seconds", "Allocate handling time", ["resource"], buckets=_LATENCY_BUCKETS
+RESOURCE_REGISTERED = LateMetric(
+    "Gauge", "kxpu_resource_registered", "1 while registered with the kubelet", ["resource"]
 )
-ALLOCATE_ERRORS = Counter("kxpu_allocate_errors", "Allocate calls refused or failed", ["resource", "code"])
-PREFERRED_SECONDS = Histogram(
+REGISTRATIONS = LateMetric(
+    "Counter", "kxpu_registrations", "Successful registrations with the kubelet", ["resource"]
+)
+KUBELET_RESTARTS = LateMetric("Counter", "kxpu_kubelet_restarts", "Times kubelet.sock was seen re-created")
+ALLOCATE_SECONDS = LateMetric(
+    "Histogram",
+    "kxpu_allocate_duration_seconds",
+    "Allocate handling time",
+    ["resource"],
+    buckets=_LATENCY_BUCKETS,
+)
+ALLOCATE_ERRORS = LateMetric(
+    "Counter", "kxpu_allocate_errors", "Allocate calls refused or failed", ["resource", "code"]
+)
+PREFERRED_SECONDS = LateMetric(
+    "Histogram",
     "kxpu_preferred_allocation_duration_seconds",
     "GetPreferredAllocation handling time",
     ["resource"],
     buckets=_LATENCY_BUCKETS,
 )
-HEALTH_EVENTS = Counter(
-    "kxpu_health_events", "Devices that turned unhealthy or disappeared, by cause", ["resource", "cause"]
+HEALTH_EVENTS = LateMetric(
+    "Counter",
+    "kxpu_health_events",
+    "Devices that turned unhealthy or disappeared, by cause",
+    ["resource", "cause"],
 )
-RESOURCE_FAILURES = Counter("kxpu_resource_failures", "Backend or server failures (retried)", ["resource"])
+RESOURCE_FAILURES = LateMetric(
+    "Counter", "kxpu_resource_failures", "Backend or server failures (retried)", ["resource"]
+)
 
 METRIC_NAMES = frozenset(
     {

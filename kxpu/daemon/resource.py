@@ -241,6 +241,17 @@ class ResourceRunner:
             return Phase.AWAITING_LIST_AND_WATCH
         return phase
 
+    @property
+    def settled(self) -> bool:
+        """Past its start: the kubelet has its devices (device plugin: registered and its ListAndWatch stream
+        has the list; DRA: the kubelet accepted the driver), or it stands by, failed, or waits for a kubelet that
+        is not there. The daemon loads what registering does not need once every resource has settled."""
+        if self._phase in (Phase.FAILED, Phase.STOPPED):
+            return True
+        if self.dra is not None:
+            return self.dra.registrations > 0 or self.dra.phase == Phase.STANDBY
+        return self.state in (Phase.REGISTERED, Phase.STANDBY, Phase.WAITING_FOR_KUBELET)
+
     def poke(self) -> None:
         """Something in the device-plugin directory changed: re-check socket and registration."""
         self._poked.set()

@@ -1,44 +1,54 @@
 """Prometheus metrics of kxpu's DRA drivers (on the node daemon's /metrics, beside the device plugin's).
-Names are documented in the README; the dashboard test checks the node dashboard uses only these."""
+Names are documented in the README; the dashboard test checks the node dashboard uses only these. Made once
+the daemon has registered (``kxpu.daemon.late_metrics``)."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from kxpu.daemon.late_metrics import LateMetric
 
 # Prepare reads the claim from the API server and writes a CDI spec: milliseconds, with a tail.
 _BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
-PREPARE_SECONDS = Histogram(
+PREPARE_SECONDS = LateMetric(
+    "Histogram",
     "kxpu_dra_prepare_duration_seconds",
     "NodePrepareResources handling time per claim",
     ["driver"],
     buckets=_BUCKETS,
 )
-UNPREPARE_SECONDS = Histogram(
+UNPREPARE_SECONDS = LateMetric(
+    "Histogram",
     "kxpu_dra_unprepare_duration_seconds",
     "NodeUnprepareResources handling time per claim",
     ["driver"],
     buckets=_BUCKETS,
 )
-PREPARE_ERRORS = Counter("kxpu_dra_prepare_errors", "Claims refused or failed at prepare", ["driver"])
-CLAIMS_PREPARED = Gauge("kxpu_dra_claims_prepared", "Claims prepared on this node now", ["driver"])
-DRIVER_REGISTERED = Gauge(
-    "kxpu_dra_registered", "1 while the kubelet has accepted the DRA driver", ["driver"]
+PREPARE_ERRORS = LateMetric(
+    "Counter", "kxpu_dra_prepare_errors", "Claims refused or failed at prepare", ["driver"]
 )
-SLICE_WRITES = Counter(
+CLAIMS_PREPARED = LateMetric(
+    "Gauge", "kxpu_dra_claims_prepared", "Claims prepared on this node now", ["driver"]
+)
+DRIVER_REGISTERED = LateMetric(
+    "Gauge", "kxpu_dra_registered", "1 while the kubelet has accepted the DRA driver", ["driver"]
+)
+SLICE_WRITES = LateMetric(
+    "Counter",
     "kxpu_dra_slice_publications",
     "ResourceSlice publications, by result (written, unchanged, failed)",
     ["driver", "result"],
 )
-POOL_GENERATION = Gauge(
-    "kxpu_dra_pool_generation", "Generation of the node's pool as last published", ["driver"]
+POOL_GENERATION = LateMetric(
+    "Gauge", "kxpu_dra_pool_generation", "Generation of the node's pool as last published", ["driver"]
 )
-CLAIM_READS = Counter(
+CLAIM_READS = LateMetric(
+    "Counter",
     "kxpu_dra_claim_reads",
     "Claims prepare read, by source (cache: the node's watch-fed claim cache; api: a GET)",
     ["driver", "source"],
 )
-CLAIM_CACHE_CLAIMS = Gauge(
+CLAIM_CACHE_CLAIMS = LateMetric(
+    "Gauge",
     "kxpu_dra_claim_cache_claims",
     "Claims the node's claim cache holds (allocated on this node, not yet prepared)",
     ["driver"],

@@ -69,6 +69,10 @@ HELD_POLL_SECONDS = 5.0
 # The watch of the driver's slices repairs deletions at once; a full re-list this often as well, in case a
 # watch event was lost (one filtered LIST per node and driver).
 RELIST_SECONDS = 300.0
+# Registration first: the API side (lightkube's import, the claim cache, the slices' watch and publication) waits
+# until the kubelet has accepted the driver, or this long after the start if it has not, rather than take the
+# CPU from the registration (on two cores, a thread importing lightkube halves what the loop gets).
+API_AFTER_SECONDS = 1.0
 # gRPC messages: a NodePrepareResources call names at most a few hundred claims; nothing legitimate is near this.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
@@ -213,6 +217,7 @@ class DraPlugin:
         self.published_revision = -1
         self._poked = asyncio.Event()
         self._registered_changed = asyncio.Event()
+        self._registered_once = asyncio.Event()  # the kubelet accepted this driver (since the start)
         self.dra = _Served(
             dra_socket(plugins_dir, driver, instance),
             lambda server: add_dra_services(server, self.preparer, snapshot, node),
@@ -247,6 +252,7 @@ class DraPlugin:
         metrics.DRIVER_REGISTERED.labels(self.driver).set(1 if registered else 0)
         if registered:
             self.registrations += 1
+            self._registered_once.set()
             self.log.info("registered with the kubelet")
         else:
             self.log.error("the kubelet refused the registration", reason=error or "no reason given")
@@ -275,16 +281,17 @@ class DraPlugin:
         try:
             if self.pod_resources is not None:
                 await self._read_held()  # before the first publish: never offer a device a pod still uses
+            api_after = asyncio.get_running_loop().time() + API_AFTER_SECONDS
             async with asyncio.TaskGroup() as tasks:
                 if self.held:
                     tasks.create_task(self._follow_held())
-                tasks.create_task(self._publish_loop())
-                tasks.create_task(self._release_deleted_claims())
+                tasks.create_task(self._after_registration(self._publish_loop, api_after))
+                tasks.create_task(self._after_registration(self._release_deleted_claims, api_after))
                 if self.claim_cache is not None:
-                    tasks.create_task(self.claim_cache.run())
+                    tasks.create_task(self._after_registration(self.claim_cache.run, api_after))
                 if self.claim_status is not None:
-                    tasks.create_task(self.claim_status.run())
-                tasks.create_task(self._watch_slices())
+                    tasks.create_task(self._after_registration(self.claim_status.run, api_after))
+                tasks.create_task(self._after_registration(self._watch_slices, api_after))
                 tasks.create_task(self._watch_dirs())
                 tasks.create_task(self._serve_loop())
         finally:
@@ -298,6 +305,11 @@ class DraPlugin:
                     await self._close()
                 except Exception as exc:
                     self.log.warning("cannot close the API client", error=error_text(exc))
+
+    async def _after_registration(self, work: Callable[[], Awaitable[None]], deadline: float) -> None:
+        """``work`` once the kubelet accepted the driver, or from ``deadline`` (API_AFTER_SECONDS)."""
+        await wait_event(self._registered_once, deadline - asyncio.get_running_loop().time())
+        await work()
 
     def _remove_dead_sockets(self) -> list[Path]:
         """Per-pod sockets of this driver left by a killed pod (SIGKILL, a node's power loss): the kubelet would

@@ -234,13 +234,18 @@ class FakeGpu:
     ecc_errors: dict[tuple[int, int], int] = field(default_factory=dict)  # (error type, counter type) → count
     energy_mj: int = 1_234_567_000  # nvmlDeviceGetTotalEnergyConsumption: mJ since the driver loaded
     pcie_kbps: tuple[int, int] = (0, 0)  # nvmlDeviceGetPcieThroughput: (TX, RX) KB/s over the last 20 ms
+    # NVML_FI_DEV_PCIE_COUNT_TX_BYTES / _RX_BYTES (Hopper and newer here): bytes since the driver loaded, advanced
+    # at ``pcie_kbps`` between reads, and the driver time (µs) they were last advanced to; read modulo 2**32
+    pcie_count_bytes: list[float] = field(default_factory=lambda: [7.0e12, 3.0e12])
+    pcie_count_at_us: int = 0
     # nvmlDeviceGetRemappedRows: (correctable rows, uncorrectable rows, pending, failure); Ampere and newer
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
     clocks_event_reasons: int = pynvml.nvmlClocksEventReasonGpuIdle
     # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX / _RX per link (scope ID): KiB since the driver loaded
     nvlink_kib: dict[int, tuple[int, int]] = field(default_factory=dict)
     # GPM (Hopper and newer): metric ID → the value nvmlGpmMetricsGet computes between two samples (percent)
-    gpm: dict[int, float] = field(default_factory=dict)
+    gpm: dict[int, float] = field(default_factory=dict)  # a metric not set here reads 0
+    gpm_unsupported: set[int] = field(default_factory=set)  # metric IDs answered NOT_SUPPORTED
 
 
 @dataclass
@@ -251,6 +256,14 @@ class MachineProfile:
     cuda_driver_version: int = 12040
     init_error: int | None = None  # an NVML_ERROR_* code nvmlInit raises (no driver, no library, …)
     privileged: bool = True  # as root: settings (compute mode) may be changed
+
+
+# The GPM metric IDs NVML defines (NVML_GPM_METRIC_*, but not the _MAX bound)
+_GPM_METRIC_IDS = frozenset(
+    getattr(pynvml, name)
+    for name in dir(pynvml)
+    if name.startswith("NVML_GPM_METRIC_") and not name.endswith("_MAX")
+)
 
 
 # --------------------------------------------------------------------------- profiles
@@ -1164,13 +1177,30 @@ class FakeNvml:
 
     def nvmlDeviceGetFieldValues(self, handle: FakeHandle, fieldIds: list[Any]) -> Any:
         """As pynvml: an array of c_nvmlFieldValue_t, each with its own nvmlReturn; ``fieldIds`` items are IDs or
-        (ID, scope ID) pairs. Only the NVLink data throughput fields are known here."""
+        (ID, scope ID) pairs. Known here: the NVLink data throughput fields and the PCIe byte counters; another
+        field ID of NVML's answers NOT_SUPPORTED, one beyond NVML_FI_MAX INVALID_ARGUMENT (as driver 580 does)."""
         gpu = self._whole(handle)
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        now_us = int(time.time() * 1e6)
         for i, requested in enumerate(fieldIds):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             value = values[i]
-            value.fieldId, value.scopeId, value.timestamp = field_id, scope, int(time.time() * 1e6)
+            value.fieldId, value.scopeId, value.timestamp = field_id, scope, now_us
+            if not 0 < field_id < pynvml.NVML_FI_MAX:
+                value.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
+                continue
+            pcie = {pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: 0, pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: 1}.get(
+                field_id
+            )
+            if pcie is not None:
+                if gpu.cuda_cc < (9, 0):
+                    value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                    continue
+                self._advance_pcie_counts(gpu, now_us)
+                value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                value.nvmlReturn = pynvml.NVML_SUCCESS
+                value.value.ullVal = int(gpu.pcie_count_bytes[pcie]) % 2**32  # wraps as an H200's did
+                continue
             direction = {
                 pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: 0,
                 pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: 1,
@@ -1182,6 +1212,14 @@ class FakeNvml:
             value.nvmlReturn = pynvml.NVML_SUCCESS
             value.value.ullVal = gpu.nvlink_kib[scope][direction]
         return values
+
+    @staticmethod
+    def _advance_pcie_counts(gpu: FakeGpu, now_us: int) -> None:
+        if gpu.pcie_count_at_us and now_us > gpu.pcie_count_at_us:
+            seconds = (now_us - gpu.pcie_count_at_us) / 1e6
+            for direction in (0, 1):
+                gpu.pcie_count_bytes[direction] += gpu.pcie_kbps[direction] * 1024 * seconds
+        gpu.pcie_count_at_us = max(gpu.pcie_count_at_us, now_us)
 
     # GPM: opaque samples (pynvml's c_nvmlGpmSample_t pointers), filled by nvmlGpmSampleGet, compared by
     # nvmlGpmMetricsGet; a GPU before Hopper is not a supported device.
@@ -1220,13 +1258,15 @@ class FakeNvml:
         second = self._gpm_samples[self._gpm_sample(metricsGet.sample2)][1]
         if first is None or first != second or not 0 < metricsGet.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        values = self.gpus[first].gpm
+        gpu = self.gpus[first]
         for i in range(metricsGet.numMetrics):
             metric = metricsGet.metrics[i]
-            if metric.metricId in values:
-                metric.value, metric.nvmlReturn = values[metric.metricId], pynvml.NVML_SUCCESS
-            else:
+            if metric.metricId not in _GPM_METRIC_IDS:  # as driver 580 answers for an ID NVML does not define
+                metric.value, metric.nvmlReturn = 0.0, pynvml.NVML_ERROR_INVALID_ARGUMENT
+            elif metric.metricId in gpu.gpm_unsupported:
                 metric.value, metric.nvmlReturn = 0.0, pynvml.NVML_ERROR_NOT_SUPPORTED
+            else:  # every metric NVML defines is answered on a supported GPU (an H200 under driver 580 did)
+                metric.value, metric.nvmlReturn = gpu.gpm.get(metric.metricId, 0.0), pynvml.NVML_SUCCESS
         return metricsGet
 
     def nvmlDeviceGetComputeMode(self, handle: FakeHandle) -> int:

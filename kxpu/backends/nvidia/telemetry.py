@@ -105,6 +105,18 @@ class GpuSampler:
                 totals[direction] = totals.get(direction, 0) + int(value.value.ullVal) * 1024
         return totals
 
+    def _pcie(self, gpu: GpuInfo) -> dict[str, float]:
+        """PCIe bytes per second each way over the driver's last 20 ms (``nvmlDeviceGetPcieThroughput`` waits
+        that long per direction: most of a sample's wall time). Not the byte counters NVML_FI_DEV_PCIE_COUNT_TX /
+        _RX_BYTES: on an H200 they wrapped several times a second at 60 GB/s, so no rate between samples."""
+        nvml, h = self.nvml, gpu.handle
+        return {
+            direction: float(kbps) * 1024
+            for direction, counter in (("tx", "NVML_PCIE_UTIL_TX_BYTES"), ("rx", "NVML_PCIE_UTIL_RX_BYTES"))
+            if (kbps := self._read(partial(nvml.nvmlDeviceGetPcieThroughput, h, getattr(nvml, counter))))
+            is not None
+        }
+
     def _profiling(self, gpu: GpuInfo) -> dict[str, float]:
         """GPM's counters between the previous sample and this one; none on the first, or before Hopper."""
         nvml, h, key = self.nvml, gpu.handle, gpu.uuid
@@ -195,12 +207,7 @@ class GpuSampler:
             if count is not None:
                 ecc[name] = int(count)
         energy = self._read(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(h))
-        pcie = {
-            direction: float(kbps) * 1024
-            for direction, counter in (("tx", "NVML_PCIE_UTIL_TX_BYTES"), ("rx", "NVML_PCIE_UTIL_RX_BYTES"))
-            if (kbps := self._read(partial(nvml.nvmlDeviceGetPcieThroughput, h, getattr(nvml, counter))))
-            is not None
-        }
+        pcie = self._pcie(gpu)
         rows = self._read(lambda: nvml.nvmlDeviceGetRemappedRows(h))
         reasons = None
         for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):

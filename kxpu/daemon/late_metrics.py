@@ -1,0 +1,148 @@
+"""Prometheus metrics that can be used before prometheus-client is loaded.
+
+The node daemon registers with the kubelet first and loads what registration does not need afterwards:
+prometheus-client (with its exposition's http.server, urllib and wsgiref) is about a tenth of the start. While
+the daemon defers (``defer()`` … ``load()``), what is done to a metric is kept, in order, and replayed into the
+real metric when the library loads, so a registration, a device's health or a failure counted while starting
+is exported as if the metric had been there all along. A process that never defers (a test, a tool) makes a
+metric at its first use, as a module-level prometheus-client metric would be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class Child(Protocol):
+    """One labelled series (prometheus-client's ``labels()`` result): what kxpu's code calls on it."""
+
+    def inc(self, amount: float = 1) -> None: ...
+
+    def set(self, value: float) -> None: ...
+
+    def observe(self, amount: float) -> None: ...
+
+
+_deferring = False
+_loaded = False
+_metrics: list[LateMetric] = []
+# (metric, label values, method, arguments), in the order they were done
+_pending: list[tuple[LateMetric, tuple[str, ...], str, tuple[Any, ...]]] = []
+
+
+def defer() -> None:
+    """Keep what metrics are given until ``load()``: the daemon, from its start until it has registered."""
+    global _deferring
+    if not _loaded:
+        _deferring = True
+
+
+def loaded() -> bool:
+    return _loaded
+
+
+def load() -> None:
+    """Import prometheus-client, make every metric in its default registry and replay what was kept."""
+    global _deferring, _loaded
+    if _loaded:
+        return
+    import prometheus_client
+
+    _loaded, _deferring = True, False
+    for metric in _metrics:
+        metric.make(prometheus_client)
+    replay, _pending[:] = list(_pending), []
+    for metric, labels, method, args in replay:
+        metric.apply(labels, method, args)
+
+
+class LateMetric:
+    """A prometheus-client Counter, Gauge or Histogram (``kind``), made when the daemon loads the library."""
+
+    def __init__(
+        self, kind: str, name: str, documentation: str, labelnames: Sequence[str] = (), **kwargs: Any
+    ) -> None:
+        self.kind, self.name, self.documentation = kind, name, documentation
+        self.labelnames = tuple(labelnames)
+        self.kwargs = kwargs
+        self.real: Any = None
+        _metrics.append(self)
+        if _loaded:  # a module defining metrics imported after the daemon loaded the library
+            import prometheus_client
+
+            self.make(prometheus_client)
+
+    def make(self, prometheus_client: Any) -> None:
+        cls = getattr(prometheus_client, self.kind)
+        self.real = cls(self.name, self.documentation, self.labelnames, **self.kwargs)
+
+    def _now(self) -> Any:
+        """The real metric, or None while the daemon defers (made here when nothing defers)."""
+        if self.real is None and not _deferring:
+            load()
+        return self.real
+
+    def apply(self, labels: tuple[str, ...], method: str, args: tuple[Any, ...]) -> None:
+        if method == "remove":
+            with contextlib.suppress(
+                KeyError
+            ):  # prometheus-client versions that raise it for a missing series
+                self.real.remove(*args)
+            return
+        target = self.real.labels(*labels) if labels else self.real
+        getattr(target, method)(*args)
+
+    def _do(self, method: str, *args: Any) -> None:
+        real = self._now()
+        if real is None:
+            _pending.append((self, (), method, args))
+        else:
+            getattr(real, method)(*args)
+
+    def labels(self, *values: str) -> Any:
+        """The series (prometheus-client's own once loaded, a ``Child`` that keeps calls while deferring)."""
+        real = self._now()
+        if real is None:
+            return _LateChild(self, values)
+        return real.labels(*values)
+
+    def remove(self, *values: str) -> None:
+        self._do("remove", *values)
+
+    def inc(self, amount: float = 1) -> None:
+        self._do("inc", amount)
+
+    def set(self, value: float) -> None:
+        self._do("set", value)
+
+    def observe(self, amount: float) -> None:
+        self._do("observe", amount)
+
+
+class _LateChild(Child):
+    """A series asked for while the daemon defers (``prepare`` keeps its series): kept calls until the library
+    loads, then the real series, looked up once."""
+
+    def __init__(self, metric: LateMetric, labels: tuple[str, ...]) -> None:
+        self._metric = metric
+        self._labels = labels
+        self._real: Any = None
+
+    def _do(self, method: str, *args: Any) -> None:
+        if self._real is None:
+            if self._metric._now() is None:
+                _pending.append((self._metric, self._labels, method, args))
+                return
+            self._real = self._metric.real.labels(*self._labels)
+        getattr(self._real, method)(*args)
+
+    def inc(self, amount: float = 1) -> None:
+        self._do("inc", amount)
+
+    def set(self, value: float) -> None:
+        self._do("set", value)
+
+    def observe(self, amount: float) -> None:
+        self._do("observe", amount)

@@ -1,0 +1,62 @@
+"""Metrics used before prometheus-client is loaded (``kxpu.daemon.late_metrics``): the daemon registers with
+the kubelet first, and what its metrics were given meanwhile must be exported as if they had been there."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import REGISTRY
+
+from kxpu.daemon import late_metrics
+from kxpu.daemon.late_metrics import LateMetric
+
+
+@pytest.fixture
+def deferring(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A process where nothing has loaded the metrics yet (the module's state is the process's)."""
+    monkeypatch.setattr(late_metrics, "_loaded", False)
+    monkeypatch.setattr(late_metrics, "_deferring", False)
+    monkeypatch.setattr(late_metrics, "_metrics", [])
+    monkeypatch.setattr(late_metrics, "_pending", [])
+    yield
+    for metric in late_metrics._metrics:
+        if metric.real is not None:
+            REGISTRY.unregister(metric.real)
+
+
+def _sample(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+def test_what_is_done_while_deferring_is_exported_once_loaded(deferring: None) -> None:
+    counter = LateMetric("Counter", "kxpu_test_late_events", "test", ["resource"])
+    gauge = LateMetric("Gauge", "kxpu_test_late_health", "test", ["device"])
+    histogram = LateMetric("Histogram", "kxpu_test_late_seconds", "test", ["resource"], buckets=(0.1, 1.0))
+    plain = LateMetric("Counter", "kxpu_test_late_restarts", "test")
+    late_metrics.defer()
+    counter.labels("a").inc()
+    counter.labels("a").inc(2)
+    gauge.labels("gpu-0").set(1)
+    gauge.labels("gpu-1").set(1)
+    gauge.remove("gpu-1")  # removed after it was set: gone once loaded
+    gauge.remove("gpu-9")  # never there: nothing
+    kept = histogram.labels("a")  # a series looked up once and kept (the DRA preparer's)
+    kept.observe(0.05)
+    plain.inc()
+    assert not late_metrics.loaded() and counter.real is None  # nothing made yet
+    late_metrics.load()
+    assert _sample("kxpu_test_late_events_total", resource="a") == 3
+    assert _sample("kxpu_test_late_health", device="gpu-0") == 1
+    assert _sample("kxpu_test_late_health", device="gpu-1") is None
+    assert _sample("kxpu_test_late_restarts_total") == 1
+    kept.observe(0.5)  # the kept series goes to the real one from now on
+    assert _sample("kxpu_test_late_seconds_count", resource="a") == 2
+    assert _sample("kxpu_test_late_seconds_bucket", resource="a", le="0.1") == 1
+
+
+def test_a_process_that_never_defers_makes_a_metric_at_its_first_use(deferring: None) -> None:
+    counter = LateMetric("Counter", "kxpu_test_eager_events", "test", ["resource"])
+    counter.labels("a").inc()
+    assert late_metrics.loaded()
+    assert _sample("kxpu_test_eager_events_total", resource="a") == 1
