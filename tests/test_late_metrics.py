@@ -60,3 +60,16 @@ def test_a_process_that_never_defers_makes_a_metric_at_its_first_use(deferring: 
     counter.labels("a").inc()
     assert late_metrics.loaded()
     assert _sample("kxpu_test_eager_events_total", resource="a") == 1
+
+
+def test_a_gauge_read_at_scrape_time_can_be_given_while_deferring(deferring: None) -> None:
+    """The DRA preparer and claim cache hand their gauges a function (read when /metrics is asked) as they are
+    made, before the daemon has registered and loaded the library."""
+    gauge = LateMetric("Gauge", "kxpu_test_late_claims", "test", ["driver"])
+    held: dict[str, int] = {"a": 1}
+    late_metrics.defer()
+    gauge.labels("d").set_function(lambda: len(held))
+    late_metrics.load()
+    assert _sample("kxpu_test_late_claims", driver="d") == 1
+    held["b"] = 2
+    assert _sample("kxpu_test_late_claims", driver="d") == 2

@@ -11,7 +11,7 @@ metric at its first use, as a module-level prometheus-client metric would be.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 
@@ -23,6 +23,10 @@ class Child(Protocol):
     def set(self, value: float) -> None: ...
 
     def observe(self, amount: float) -> None: ...
+
+    def set_function(self, f: Callable[[], float]) -> None:
+        """A gauge's value, read when /metrics is asked."""
+        ...
 
 
 _deferring = False
@@ -146,3 +150,6 @@ class _LateChild(Child):
 
     def observe(self, amount: float) -> None:
         self._do("observe", amount)
+
+    def set_function(self, f: Callable[[], float]) -> None:
+        self._do("set_function", f)
