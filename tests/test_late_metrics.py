@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 
 from kxpu.daemon import late_metrics
 from kxpu.daemon.late_metrics import LateMetric
@@ -73,3 +74,21 @@ def test_a_gauge_read_at_scrape_time_can_be_given_while_deferring(deferring: Non
     assert _sample("kxpu_test_late_claims", driver="d") == 1
     held["b"] = 2
     assert _sample("kxpu_test_late_claims", driver="d") == 2
+
+
+def test_a_kept_call_the_metric_refuses_is_one_line_and_the_rest_are_replayed(deferring: None) -> None:
+    """A call that would have raised at its use (here a label too many) must not take the other kept calls, or
+    the daemon's start, with it: it is logged in one line when the library loads."""
+    gauge = LateMetric("Gauge", "kxpu_test_late_refused", "test", ["device"])
+    counter = LateMetric("Counter", "kxpu_test_late_after", "test")
+    late_metrics.defer()
+    gauge.labels("gpu-0", "extra").set(1)
+    counter.inc()
+    with capture_logs() as logs:
+        late_metrics.load()
+    assert _sample("kxpu_test_late_after_total") == 1
+    assert late_metrics.loaded() and gauge.real is not None
+    assert [(e["event"], e["metric"], e["log_level"]) for e in logs] == [
+        ("a metric call made while starting was refused", "kxpu_test_late_refused", "error")
+    ]
+    assert "Incorrect label count" in logs[0]["reason"]

@@ -197,7 +197,10 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         finally:
-            late_metrics.load()  # a failed start defers nothing any more (in-process tests run daemons again)
+            try:  # a failed start defers nothing any more (in-process tests run daemons again)
+                late_metrics.load()
+            except Exception as exc:  # never in the way of closing the listener and the signal handlers
+                log.error("cannot load the metrics library", reason=error_text(exc))
             if http is not None:
                 await http.stop()
             elif listener is not None:

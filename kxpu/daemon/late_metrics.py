@@ -11,8 +11,13 @@ metric at its first use, as a module-level prometheus-client metric would be.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+from kxpu.logs import get_logger
+
+log = get_logger("kxpu.metrics")
 
 
 class Child(Protocol):
@@ -31,6 +36,9 @@ class Child(Protocol):
 
 _deferring = False
 _loaded = False
+# Held while a call is kept and while ``load()`` makes and replays, so that a call from another thread is either
+# kept and replayed or made on the real metric after every kept call, never lost or reordered.
+_lock = threading.RLock()
 _metrics: list[LateMetric] = []
 # (metric, label values, method, arguments), in the order they were done
 _pending: list[tuple[LateMetric, tuple[str, ...], str, tuple[Any, ...]]] = []
@@ -50,16 +58,33 @@ def loaded() -> bool:
 def load() -> None:
     """Import prometheus-client, make every metric in its default registry and replay what was kept."""
     global _deferring, _loaded
-    if _loaded:
-        return
-    import prometheus_client
+    with _lock:
+        if _loaded:
+            return
+        import prometheus_client
 
-    _loaded, _deferring = True, False
-    for metric in _metrics:
-        metric.make(prometheus_client)
-    replay, _pending[:] = list(_pending), []
-    for metric, labels, method, args in replay:
-        metric.apply(labels, method, args)
+        made = {id(metric): metric.build(prometheus_client) for metric in _metrics}
+        for (
+            metric,
+            labels,
+            method,
+            args,
+        ) in _pending:  # into the new metrics before any live call reaches them
+            try:
+                _apply(made[id(metric)], labels, method, args)
+            except (
+                Exception
+            ) as exc:  # a call the metric refuses (its labels): it would have raised at its use
+                log.error(
+                    "a metric call made while starting was refused",
+                    metric=metric.name,
+                    call=method,
+                    reason=f"{type(exc).__name__}: {exc}",
+                )
+        _pending.clear()
+        for metric in _metrics:
+            metric.real = made[id(metric)]
+        _loaded, _deferring = True, False
 
 
 class LateMetric:
@@ -79,8 +104,11 @@ class LateMetric:
             self.make(prometheus_client)
 
     def make(self, prometheus_client: Any) -> None:
+        self.real = self.build(prometheus_client)
+
+    def build(self, prometheus_client: Any) -> Any:
         cls = getattr(prometheus_client, self.kind)
-        self.real = cls(self.name, self.documentation, self.labelnames, **self.kwargs)
+        return cls(self.name, self.documentation, self.labelnames, **self.kwargs)
 
     def _now(self) -> Any:
         """The real metric, or None while the daemon defers (made here when nothing defers)."""
@@ -88,22 +116,15 @@ class LateMetric:
             load()
         return self.real
 
-    def apply(self, labels: tuple[str, ...], method: str, args: tuple[Any, ...]) -> None:
-        if method == "remove":
-            with contextlib.suppress(
-                KeyError
-            ):  # prometheus-client versions that raise it for a missing series
-                self.real.remove(*args)
-            return
-        target = self.real.labels(*labels) if labels else self.real
-        getattr(target, method)(*args)
-
     def _do(self, method: str, *args: Any) -> None:
         real = self._now()
         if real is None:
-            _pending.append((self, (), method, args))
-        else:
-            getattr(real, method)(*args)
+            with _lock:  # kept, unless the library loaded meanwhile
+                if self.real is None:
+                    _pending.append((self, (), method, args))
+                    return
+                real = self.real
+        getattr(real, method)(*args)
 
     def labels(self, *values: str) -> Any:
         """The series (prometheus-client's own once loaded, a ``Child`` that keeps calls while deferring)."""
@@ -137,8 +158,10 @@ class _LateChild(Child):
     def _do(self, method: str, *args: Any) -> None:
         if self._real is None:
             if self._metric._now() is None:
-                _pending.append((self._metric, self._labels, method, args))
-                return
+                with _lock:  # kept, unless the library loaded meanwhile
+                    if self._metric.real is None:
+                        _pending.append((self._metric, self._labels, method, args))
+                        return
             self._real = self._metric.real.labels(*self._labels)
         getattr(self._real, method)(*args)
 
@@ -153,3 +176,13 @@ class _LateChild(Child):
 
     def set_function(self, f: Callable[[], float]) -> None:
         self._do("set_function", f)
+
+
+def _apply(real: Any, labels: tuple[str, ...], method: str, args: tuple[Any, ...]) -> None:
+    """One kept call, done on the real metric."""
+    if method == "remove":
+        with contextlib.suppress(KeyError):  # prometheus-client versions that raise it for a missing series
+            real.remove(*args)
+        return
+    target = real.labels(*labels) if labels else real
+    getattr(target, method)(*args)

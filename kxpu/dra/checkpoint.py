@@ -152,6 +152,18 @@ class Making:
     devices: tuple[str, ...]  # kxpu device IDs
 
 
+_State = tuple[dict[str, PreparedClaim], dict[str, Making], list[dict[str, str | int]], list[str]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Update:
+    """A checkpoint file another process wrote, read and parsed: what ``Checkpoint.take`` applies."""
+
+    state: _State
+    seen: tuple[int, int, int, int]
+    count: int | None
+
+
 class _Exclusive:
     """``Checkpoint.exclusive()``: a plain object rather than a generator-based context manager (two nested ones
     cost a prepare more than the lock itself)."""
@@ -170,7 +182,10 @@ class _Exclusive:
             # the file is read in a thread only when another process replaced it.
             count = lock.count()
             if count != checkpoint._count or _identity(checkpoint.path) != checkpoint._seen:
-                return await asyncio.to_thread(checkpoint.refresh, count)
+                # Read and parsed in a thread, taken on the loop while the lock is held: a call cancelled meanwhile
+                # (the kubelet's deadline) releases the lock, and the thread's late result must then change nothing.
+                update = await asyncio.to_thread(checkpoint.read_changed, count)
+                return update is not None and checkpoint.take(update)
             return False
         except BaseException:
             lock.release()
@@ -218,23 +233,34 @@ class Checkpoint:
         wrote it (or wrote ``count``, the lock file's count of writes, differing from this process's); True if it
         did. A file that cannot be read now is left where it is (it was good at start, and only kxpu writes it)
         and what this process holds is kept: the error is logged, the call goes on."""
+        update = self.read_changed(count)
+        return update is not None and self.take(update)
+
+    def read_changed(self, count: int | None = None) -> _Update | None:
+        """``refresh``'s reading half, changing nothing here (safe in a worker thread): the file's state if it
+        changed, else None."""
         seen = _identity(self.path)
         if seen is None or not stat.S_ISREG(seen[3]):
-            return False  # removed or replaced by something no kxpu writes: nothing to reload
+            return None  # removed or replaced by something no kxpu writes: nothing to reload
         if seen == self._seen and (count is None or count == self._count):
-            return False  # unchanged
+            return None  # unchanged
         try:
-            self._apply(json.loads(self.path.read_text()))
+            state = self._parse(json.loads(self.path.read_text()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.error(
                 "cannot reload the DRA checkpoint another process of this driver wrote; keeping this process's",
                 path=str(self.path),
                 reason=f"{type(exc).__name__}: {exc}",
             )
-            return False
-        self._seen = seen
-        if count is not None:
-            self._count = count
+            return None
+        return _Update(state, seen, count)
+
+    def take(self, update: _Update) -> bool:
+        """``refresh``'s applying half (on the loop, the lock held)."""
+        self.claims, self.making, self.unreleased, self.releasing = update.state
+        self._seen = update.seen
+        if update.count is not None:
+            self._count = update.count
         return True
 
     def load(self) -> None:
@@ -255,6 +281,10 @@ class Checkpoint:
 
     def _apply(self, raw: Any) -> None:
         """The parsed file's claims become this object's (all or nothing: raises before changing anything)."""
+        self.claims, self.making, self.unreleased, self.releasing = self._parse(raw)
+
+    def _parse(self, raw: Any) -> _State:
+        """The file's claims, partitions being made, unreleased holds and releasing claims (raises if not ours)."""
         if raw.get("version") != VERSION or raw.get("driver") != self.driver:
             raise ValueError(f"version {raw.get('version')!r}, driver {raw.get('driver')!r}")
         claims = {str(uid): _claim_from_json(c) for uid, c in raw["claims"].items()}
@@ -264,7 +294,7 @@ class Checkpoint:
         }
         unreleased = [dict(h) for h in raw.get("unreleased") or []]
         releasing = [str(u) for u in raw.get("releasing") or []]
-        self.claims, self.making, self.unreleased, self.releasing = claims, making, unreleased, releasing
+        return claims, making, unreleased, releasing
 
     def _move_aside(self, why: str) -> None:
         aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")

@@ -330,8 +330,9 @@ class DraPlugin:
         return removed
 
     async def _load_checkpoint(self) -> None:
-        await asyncio.to_thread(self.checkpoint.load)
-        metrics.CLAIMS_PREPARED.labels(self.driver).set(len(self.checkpoint.claims))
+        await asyncio.to_thread(
+            self.checkpoint.load
+        )  # kxpu_dra_claims_prepared reads it (the preparer's gauge)
 
     async def _serve_loop(self) -> None:
         backoff = Backoff(initial=0.1, maximum=10.0)
