@@ -10,8 +10,10 @@ imported, until it registered and stopped, from that report on its stderr.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -87,19 +89,31 @@ def _unexpected(modules: set[str], unused: list[str]) -> list[str]:
     return sorted(m for m in modules - ALLOWED if any(matches(m, u) for u in unused))
 
 
-async def test_a_device_plugin_node_loads_no_dra_kubernetes_vendor_or_sharing_code(workdir: Path) -> None:
-    config = _config(workdir, dra=False)
-    kubelet = KubeletStandIn(workdir / "dp")
+@contextlib.asynccontextmanager
+async def _registered(
+    workdir: Path, config: Path, resource: str, dra: bool, **env: str
+) -> AsyncIterator[DaemonProcess]:
+    """A daemon reporting its imports (``PYTHONPROFILEIMPORTTIME``), registered with a kubelet stand-in of its
+    path; both stopped on the way out (the test stops the daemon itself to check its exit status)."""
+    kubelet: KubeletStandIn | DraKubeletStandIn = (
+        DraKubeletStandIn(workdir / "registry") if dra else KubeletStandIn(workdir / "dp")
+    )
     await kubelet.start()
-    log = workdir / "daemon.log"
-    daemon = DaemonProcess(config, log, env={"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent"})
+    env = {"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent", **env}
+    daemon = DaemonProcess(config, workdir / "daemon.log", env=env)
     await daemon.start()
     try:
-        await kubelet.wait_registered("example.com/npu", timeout=60)
-        assert await daemon.stop() == 0
+        await kubelet.wait_registered(resource, timeout=60)
+        yield daemon
     finally:
         await daemon.stop()
         await kubelet.stop()
+
+
+async def test_a_device_plugin_node_loads_no_dra_kubernetes_vendor_or_sharing_code(workdir: Path) -> None:
+    config, log = _config(workdir, dra=False), workdir / "daemon.log"
+    async with _registered(workdir, config, "example.com/npu", dra=False) as daemon:
+        assert await daemon.stop() == 0
     modules = _loaded(log)
     # The report is read. (A module imported by name, importlib.import_module, is not in it, only what it imports:
     # the simulated backend, loaded for its config key, shows through its partitions.)
@@ -108,19 +122,9 @@ async def test_a_device_plugin_node_loads_no_dra_kubernetes_vendor_or_sharing_co
 
 
 async def test_a_dra_node_loads_no_vendor_sharing_or_telemetry_code(workdir: Path) -> None:
-    config = _config(workdir, dra=True)
-    kubelet = DraKubeletStandIn(workdir / "registry")
-    await kubelet.start()
-    log = workdir / "daemon.log"
-    env = {"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent", "NODE_NAME": "node-a"}
-    daemon = DaemonProcess(config, log, env=env)
-    await daemon.start()
-    try:
-        await kubelet.wait_registered("npu.example.com", timeout=60)
+    config, log = _config(workdir, dra=True), workdir / "daemon.log"
+    async with _registered(workdir, config, "npu.example.com", dra=True, NODE_NAME="node-a") as daemon:
         assert await daemon.stop() == 0
-    finally:
-        await daemon.stop()
-        await kubelet.stop()
     modules = _loaded(log)
     assert "kxpu.dra.plugin" in modules  # the report is read
     assert _unexpected(modules, ALWAYS_UNUSED) == []
@@ -165,20 +169,11 @@ def _value(metrics: str, series: str) -> float:
 async def test_a_device_plugin_registers_before_it_loads_metrics_and_http_and_loses_no_metric(
     workdir: Path,
 ) -> None:
-    config = _config(workdir, dra=False)
-    kubelet = KubeletStandIn(workdir / "dp")
-    await kubelet.start()
-    log = workdir / "daemon.log"
-    daemon = DaemonProcess(config, log, env={"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent"})
-    await daemon.start()
-    try:
-        await kubelet.wait_registered("example.com/npu", timeout=60)
+    config, log = _config(workdir, dra=False), workdir / "daemon.log"
+    async with _registered(workdir, config, "example.com/npu", dra=False) as daemon:
         metrics = await _metrics(daemon)
         assert (await daemon.http_get("/readyz"))[0] in (200, 503)  # the probes are served as well
         assert await daemon.stop() == 0
-    finally:
-        await daemon.stop()
-        await kubelet.stop()
     text = log.read_text()
     registered = _first_line(text, r"event=\"registered with the kubelet\"")
     assert all(_import_line(text, m) > registered for m in AFTER_REGISTRATION), text
@@ -191,22 +186,12 @@ async def test_a_device_plugin_registers_before_it_loads_metrics_and_http_and_lo
 
 
 async def test_a_dra_driver_registers_before_it_loads_the_api_client_metrics_and_http(workdir: Path) -> None:
-    config = _config(workdir, dra=True)
-    kubelet = DraKubeletStandIn(workdir / "registry")
-    await kubelet.start()
-    log = workdir / "daemon.log"
-    env = {"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent", "NODE_NAME": "node-a"}
-    daemon = DaemonProcess(config, log, env=env)
-    await daemon.start()
-    try:
-        await kubelet.wait_registered("npu.example.com", timeout=60)
+    config, log = _config(workdir, dra=True), workdir / "daemon.log"
+    async with _registered(workdir, config, "npu.example.com", dra=True, NODE_NAME="node-a") as daemon:
         metrics = await _metrics(daemon)
         # The API side starts after the registration all the same (and fails: there is no API server here).
         await wait_until(lambda: _LIGHTKUBE.search(daemon.log_text()) is not None, what="lightkube loaded")
         assert await daemon.stop() == 0
-    finally:
-        await daemon.stop()
-        await kubelet.stop()
     text = log.read_text()
     registered = _first_line(text, r"component=kxpu\.dra\.plugin event=\"registered with the kubelet\"")
     assert all(_import_line(text, m) > registered for m in [*AFTER_REGISTRATION, "lightkube"]), text
@@ -230,19 +215,10 @@ async def test_a_node_of_one_vendor_loads_no_other_backend_nor_the_simulated_one
             }
         )
     )
-    kubelet = KubeletStandIn(workdir / "dp")
-    await kubelet.start()
     log = workdir / "daemon.log"
-    env = {"PYTHONPROFILEIMPORTTIME": "1", "KUBECONFIG": "/nonexistent", "KXPU_FAKE_NVML": "a100-8x"}
-    daemon = DaemonProcess(config, log, env=env)
-    await daemon.start()
-    try:
-        await kubelet.wait_registered("nvidia.com/gpu", timeout=60)
+    async with _registered(workdir, config, "nvidia.com/gpu", dra=False, KXPU_FAKE_NVML="a100-8x") as daemon:
         await _metrics(daemon)  # telemetry has started (after the registration)
         assert await daemon.stop() == 0
-    finally:
-        await daemon.stop()
-        await kubelet.stop()
     modules = _loaded(log)
     assert (
         "kxpu.backends.nvidia.backend" in modules and "kxpu.daemon.telemetry" in modules
