@@ -52,8 +52,9 @@ ALLOWED = {"kxpu.sharing.config", "kxpu.dra.config"}
 _IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", re.M)
 
 
-def _config(base: Path, dra: bool) -> Path:
-    resource: dict[str, Any] = {"name": "example.com/npu", "simulated": {"count": 8, "model": "sim"}}
+def _config(base: Path, dra: bool, resource: dict[str, Any] | None = None, **extra: Any) -> Path:
+    """The daemon's config: 8 simulated devices (or ``resource``) served one way, with ``extra`` top-level keys."""
+    resource = resource or {"name": "example.com/npu", "simulated": {"count": 8, "model": "sim"}}
     if dra:
         resource |= {"serve": "dra", "dra": {"nodeName": "node-a", "cdiSpecDir": str(base / "cdi")}}
     config = base / "config.json"
@@ -66,6 +67,7 @@ def _config(base: Path, dra: bool) -> Path:
                 "pluginsRegistryDir": str(base / "registry"),
                 "podResourcesSocket": str(base / "pod-resources.sock"),
                 "resources": [resource],
+                **extra,
             }
         )
     )
@@ -201,20 +203,8 @@ async def test_a_dra_driver_registers_before_it_loads_the_api_client_metrics_and
 async def test_a_node_of_one_vendor_loads_no_other_backend_nor_the_simulated_one(workdir: Path) -> None:
     """An NVIDIA node with telemetry on (over the fake NVML, which plays the machine in the daemon): neither the
     simulated backend (with its partitions, env templates and mounts) nor another vendor's is loaded."""
-    config = workdir / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "version": "v1",
-                "devicePluginDir": str(workdir / "dp"),
-                "kubeletPluginsDir": str(workdir / "plugins"),
-                "pluginsRegistryDir": str(workdir / "registry"),
-                "podResourcesSocket": str(workdir / "pod-resources.sock"),
-                "resources": [{"name": "nvidia.com/gpu", "nvidia": {}}],
-                "telemetry": {"enabled": True},
-            }
-        )
-    )
+    nvidia = {"name": "nvidia.com/gpu", "nvidia": {}}
+    config = _config(workdir, dra=False, resource=nvidia, telemetry={"enabled": True})
     log = workdir / "daemon.log"
     async with _registered(workdir, config, "nvidia.com/gpu", dra=False, KXPU_FAKE_NVML="a100-8x") as daemon:
         await _metrics(daemon)  # telemetry has started (after the registration)

@@ -87,7 +87,23 @@ def load() -> None:
         _loaded, _deferring = True, False
 
 
-class LateMetric:
+class _Calls:
+    """The calls kxpu makes on a metric or a series, each handed to ``_do`` (made now, or kept)."""
+
+    def _do(self, method: str, *args: Any) -> None:
+        raise NotImplementedError
+
+    def inc(self, amount: float = 1) -> None:
+        self._do("inc", amount)
+
+    def set(self, value: float) -> None:
+        self._do("set", value)
+
+    def observe(self, amount: float) -> None:
+        self._do("observe", amount)
+
+
+class LateMetric(_Calls):
     """A prometheus-client Counter, Gauge or Histogram (``kind``), made when the daemon loads the library."""
 
     def __init__(
@@ -136,17 +152,8 @@ class LateMetric:
     def remove(self, *values: str) -> None:
         self._do("remove", *values)
 
-    def inc(self, amount: float = 1) -> None:
-        self._do("inc", amount)
 
-    def set(self, value: float) -> None:
-        self._do("set", value)
-
-    def observe(self, amount: float) -> None:
-        self._do("observe", amount)
-
-
-class _LateChild(Child):
+class _LateChild(_Calls, Child):
     """A series asked for while the daemon defers (``prepare`` keeps its series): kept calls until the library
     loads, then the real series, looked up once."""
 
@@ -164,15 +171,6 @@ class _LateChild(Child):
                         return
             self._real = self._metric.real.labels(*self._labels)
         getattr(self._real, method)(*args)
-
-    def inc(self, amount: float = 1) -> None:
-        self._do("inc", amount)
-
-    def set(self, value: float) -> None:
-        self._do("set", value)
-
-    def observe(self, amount: float) -> None:
-        self._do("observe", amount)
 
     def set_function(self, f: Callable[[], float]) -> None:
         self._do("set_function", f)
