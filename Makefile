@@ -62,6 +62,7 @@ demo-standin: dev
 bench: dev
 	$(BIN)/python bench/bench_daemon.py
 	$(BIN)/python bench/bench_startup.py
+	$(BIN)/python bench/bench_allocate.py
 	$(BIN)/python bench/bench_nvidia.py
 	$(BIN)/python bench/bench_telemetry.py
 	$(BIN)/python bench/bench_amd.py

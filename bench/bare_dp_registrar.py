@@ -3,7 +3,8 @@
 Nothing but grpc: the DevicePlugin service's two calls the kubelet makes first (GetDevicePluginOptions, then
 ListAndWatch with one message of ``COUNT`` healthy devices), answered with hand-encoded protobuf (no kxpu, no
 generated modules), on ``<plugin dir>/bare.sock``; then ``Register`` on ``<plugin dir>/kubelet.sock``.
-Serves until SIGTERM.
+Serves until SIGTERM; ``Allocate`` (``bench/bench_allocate.py``) decodes with the generated messages, loaded at its
+first call, so with kxpu on the path.
 
 ``python bench/bare_dp_registrar.py RESOURCE PLUGIN_DIR COUNT``
 """
@@ -35,11 +36,29 @@ async def main(resource: str, plugin_dir: str, count: int) -> None:
         yield devices
         await stop.wait()
 
+    async def options(request: bytes, context: Any) -> bytes:
+        return b""  # a coroutine, as every handler here: grpc.aio runs a plain function in a thread
+
+    async def allocate(request: bytes, context: Any) -> bytes:
+        # The generated messages, loaded at the first call (start-up measures nothing of them): the request decoded,
+        # the answer an env var naming the devices of each container.
+        from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
+
+        containers = pb.AllocateRequest.FromString(request).container_requests
+        response = pb.AllocateResponse(
+            container_responses=[
+                pb.ContainerAllocateResponse(envs={"BARE_VISIBLE_DEVICES": ",".join(c.devices_ids)})
+                for c in containers
+            ]
+        )
+        return response.SerializeToString()
+
     handler = grpc.method_handlers_generic_handler(
         "v1beta1.DevicePlugin",
         {
-            "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(lambda request, context: b""),
+            "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(options),
             "ListAndWatch": grpc.unary_stream_rpc_method_handler(list_and_watch),
+            "Allocate": grpc.unary_unary_rpc_method_handler(allocate),
         },
     )
     server = grpc.aio.server()
