@@ -26,7 +26,7 @@ say() { printf '%s gpu-startup-check: %s\n' "$(date +%H:%M:%S)" "$*"; }
 left() { echo $((END - SECONDS)); }
 
 say "python: $(command -v "$PYTHON") $("$PYTHON" -V 2>&1); uid $(id -u); $(nproc) CPUs"
-nvidia-smi --query-gpu=index,name,uuid,driver_version --format=csv,noheader 2>&1 | head -8
+timeout 30 nvidia-smi --query-gpu=index,name,uuid,driver_version --format=csv,noheader 2>&1 | head -8
 PIP=$(ls "$WHEELS"/pip-*.whl 2>/dev/null | head -1)
 if [[ -z $PIP ]]; then
   say "no pip wheel in $WHEELS: copy /work/gpu-kit/whl there (see docs/nvidia.md)"
