@@ -377,6 +377,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(summary: dict[str, Any]) -> str:
     names = [n for n in ("kxpu", "nvidia") if n in summary]
+    if not names:
+        return "no figures: no run of either contender succeeded"
     lines = ["| figure (median) | " + " | ".join(names) + (" | kxpu / nvidia |" if len(names) == 2 else " |")]
     lines.append("|---" * (len(names) + 1 + (len(names) == 2)) + "|")
     for k in FIGURES:
@@ -493,8 +495,9 @@ def main() -> int:
     print(f"\nkxpu vs NVIDIA's device plugin, {doc.get('machine', {})}\n")
     print(table(doc.get("summary", {})))
     for name, contender in doc.get("contenders", {}).items():
-        if "skipped" in contender:
-            print(f"\n{name}: skipped: {contender['skipped']}")
+        for what in ("skipped", "dropped"):
+            if what in contender:
+                print(f"\n{name}: {what}: {contender[what]}")
     errors = [r for r in doc["runs"] if "error" in r]
     for run in errors:
         print(f"\nrun {run['run']} {run['contender']}: {run['error']}\n{run.get('log_tail', '')}")

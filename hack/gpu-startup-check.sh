@@ -7,8 +7,10 @@
 #               hack/image/requirements.txt), and a pip wheel to install them with;
 #   .gpu-bin/nvidia-device-plugin   from hack/nvidia-device-plugin/build.sh.
 # Env: OUT (results; default ./out), PYTHON (python3), KXPU_WHEELS (.whl), KXPU_NVIDIA_DEVICE_PLUGIN
-# (.gpu-bin/nvidia-device-plugin), KXPU_CHECK_SECONDS (270). Writes $OUT/nvidia-vs-go.json (rewritten after
-# every run, so a run cut short still has its figures) and $OUT/gpu-startup-check.log.
+# (.gpu-bin/nvidia-device-plugin), KXPU_CHECK_SECONDS (270), KXPU_GPU_VENV (/tmp/kxpu-gpu-venv: made anew
+# and left for what runs next, e.g. hack/gpu-check; where venv fails it holds site/ for PYTHONPATH instead).
+# Writes $OUT/nvidia-vs-go.json (rewritten after every run, so a run cut short still has its figures) and
+# $OUT/gpu-startup-check.log.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -18,7 +20,13 @@ WHEELS=${KXPU_WHEELS:-$ROOT/.whl}
 NVIDIA_BIN=${KXPU_NVIDIA_DEVICE_PLUGIN:-$ROOT/.gpu-bin/nvidia-device-plugin}
 BUDGET=${KXPU_CHECK_SECONDS:-270}
 END=$((SECONDS + BUDGET))
-VENV=$(mktemp -d /tmp/kxpu-gpu-venv.XXXXXX)
+VENV=${KXPU_GPU_VENV:-/tmp/kxpu-gpu-venv}
+if [[ -f $VENV/pyvenv.cfg || -d $VENV/site ]]; then
+  rm -rf "$VENV"  # this script's from an earlier run
+elif [[ -e $VENV ]]; then
+  echo "gpu-startup-check: $VENV exists and is not an environment this script made: set KXPU_GPU_VENV" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu-startup-check.log") 2>&1
 
@@ -37,11 +45,11 @@ fi
 # cannot be made, the same wheels in a directory on PYTHONPATH.
 if timeout 60 "$PYTHON" -m venv --without-pip "$VENV"; then
   PY=$VENV/bin/python
-  timeout 120 "$PY" "$PIP/pip" install -q --no-index --no-deps --disable-pip-version-check "$WHEELS"/*.whl
+  timeout 120 "$PY" "$PIP/pip" install -q --no-index --no-deps --disable-pip-version-check --root-user-action=ignore "$WHEELS"/*.whl
 else
   say "python -m venv failed: installing into $VENV/site instead"
   PY=$PYTHON
-  timeout 120 "$PY" "$PIP/pip" install -q --no-index --no-deps --disable-pip-version-check \
+  timeout 120 "$PY" "$PIP/pip" install -q --no-index --no-deps --disable-pip-version-check --root-user-action=ignore \
     --target "$VENV/site" "$WHEELS"/*.whl
   export PYTHONPATH=$VENV/site
 fi
@@ -65,6 +73,5 @@ export PYTHONUNBUFFERED=1
 timeout -k 10 "$(($(left) - 5))" "$PY" "$ROOT/bench/bench_nvidia_vs_go.py" "${args[@]}" \
   --deadline "$(($(left) - 20))" "$@"
 status=$?
-say "bench exited with status $status after $((BUDGET - $(left))) s"
-rm -rf "$VENV"
+say "bench exited with status $status after $((BUDGET - $(left))) s; the environment stays in $VENV"
 exit $status
