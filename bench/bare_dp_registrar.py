@@ -27,9 +27,12 @@ def _field(number: int, data: bytes) -> bytes:
 
 async def main(resource: str, plugin_dir: str, count: int) -> None:
     endpoint = "bare.sock"
-    devices = b"".join(
-        _field(1, _field(1, f"dev-{i}".encode()) + _field(2, b"Healthy")) for i in range(count)
-    )
+    # $BARE_DEVICE_IDS (comma-separated) names the devices instead, $BARE_VISIBLE_ENV the answer's env var:
+    # bench/bench_nvidia_vs_go.py lists the GPUs' UUIDs and answers NVIDIA_VISIBLE_DEVICES, as the plugins do.
+    ids = os.environ.get("BARE_DEVICE_IDS", "").split(",") if os.environ.get("BARE_DEVICE_IDS") else None
+    names = ids or [f"dev-{i}" for i in range(count)]
+    visible_env = os.environ.get("BARE_VISIBLE_ENV", "BARE_VISIBLE_DEVICES")
+    devices = b"".join(_field(1, _field(1, name.encode()) + _field(2, b"Healthy")) for name in names)
     stop = asyncio.Event()
 
     async def list_and_watch(request: bytes, context: Any) -> AsyncIterator[bytes]:
@@ -47,8 +50,7 @@ async def main(resource: str, plugin_dir: str, count: int) -> None:
         containers = pb.AllocateRequest.FromString(request).container_requests
         response = pb.AllocateResponse(
             container_responses=[
-                pb.ContainerAllocateResponse(envs={"BARE_VISIBLE_DEVICES": ",".join(c.devices_ids)})
-                for c in containers
+                pb.ContainerAllocateResponse(envs={visible_env: ",".join(c.devices_ids)}) for c in containers
             ]
         )
         return response.SerializeToString()

@@ -7,7 +7,10 @@ first are not counted), medians reported:
 - **kxpu**: ``kxpu plugin`` serving ``nvidia.com/gpu`` (``migStrategy: none``, ``deviceListStrategy: envvar``,
   ``deviceIDStrategy: uuid``), its HTTP port on loopback, logging at ``--kxpu-log-level`` (info, as deployed);
 - **nvidia**: NVIDIA's ``nvidia-device-plugin`` (github.com/NVIDIA/k8s-device-plugin, built from its Go module by
-  ``hack/nvidia-device-plugin/build.sh``) with the same strategies and its other flags at their defaults.
+  ``hack/nvidia-device-plugin/build.sh``) with the same strategies and its other flags at their defaults;
+- **python-floor**: ``bench/bare_dp_registrar.py``, a bare grpc.aio device plugin on the same interpreter listing
+  the same GPU UUIDs and answering ``NVIDIA_VISIBLE_DEVICES`` (no NVML, no device nodes): what any Python plugin
+  pays on this machine (``--no-python-floor`` leaves it out).
 
 Both pay NVML's init. Per run: exec → registered (the stand-in's time of registration, once it has dialled the
 plugin back), exec → listed (the first ListAndWatch message listing every GPU Healthy), CPU used and RSS
@@ -73,6 +76,7 @@ FIGURES = (
     "allocate_p99_ms",
     "rss_after_allocate_mb",
 )
+CONTENDERS = ("kxpu", "nvidia", "python-floor")  # the table's order
 T = TypeVar("T")
 
 
@@ -202,6 +206,15 @@ def kxpu_contender(python: str, fake: str | None, log_level: str, work: Path) ->
     return Contender("kxpu", argv, env, config=work / "kxpu.json")
 
 
+def floor_contender(python: str, gpus: list[str]) -> Contender:
+    """The bare Python plugin (``bare_dp_registrar.py``) listing ``gpus``; its socket in the stand-in's directory."""
+    argv = [python, str(REPO / "bench" / "bare_dp_registrar.py"), RESOURCE, "", str(len(gpus))]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KXPU_FAKE_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env |= {"BARE_DEVICE_IDS": ",".join(gpus), "BARE_VISIBLE_ENV": "NVIDIA_VISIBLE_DEVICES"}
+    return Contender("python-floor", argv, env)
+
+
 def write_kxpu_config(path: Path, plugin_dir: Path, work: Path, pass_specs: bool) -> None:
     nvidia = {
         "migStrategy": "none",
@@ -295,10 +308,11 @@ async def one_run(
     result: dict[str, Any] = {}
     proc: asyncio.subprocess.Process | None = None
     try:
+        argv = [str(plugin_dir) if a == "" else a for a in contender.argv]  # the floor's plugin directory
         with log.open("ab") as out:
             started = time.monotonic()
             proc = await asyncio.create_subprocess_exec(
-                *contender.argv,
+                *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -358,6 +372,10 @@ def _of(doc: dict[str, Any], contender: Contender) -> list[dict[str, Any]]:
     return [r for r in doc["runs"] if r["contender"] == contender.name]
 
 
+def _ratio_key(other: str) -> str:
+    return f"kxpu_over_{other.replace('-', '_')}"
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     counted = [r for r in runs if not r.get("warmup") and "error" not in r]
     summary: dict[str, Any] = {}
@@ -366,25 +384,26 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         summary[name] = {"runs": len(mine)} | {
             k: round(statistics.median(r[k] for r in mine), 3) for k in FIGURES if all(k in r for r in mine)
         }
-    if "kxpu" in summary and "nvidia" in summary:
-        summary["kxpu_over_nvidia"] = {
-            k: round(summary["kxpu"][k] / summary["nvidia"][k], 2)
-            for k in FIGURES
-            if k in summary["kxpu"] and summary["nvidia"].get(k)
-        }
+    for other in ("nvidia", "python-floor"):
+        if "kxpu" in summary and other in summary:
+            summary[_ratio_key(other)] = {
+                k: round(summary["kxpu"][k] / summary[other][k], 2)
+                for k in FIGURES
+                if k in summary["kxpu"] and summary[other].get(k)
+            }
     return summary
 
 
 def table(summary: dict[str, Any]) -> str:
-    names = [n for n in ("kxpu", "nvidia") if n in summary]
+    names = [n for n in CONTENDERS if n in summary]
     if not names:
-        return "no figures: no run of either contender succeeded"
-    lines = ["| figure (median) | " + " | ".join(names) + (" | kxpu / nvidia |" if len(names) == 2 else " |")]
-    lines.append("|---" * (len(names) + 1 + (len(names) == 2)) + "|")
+        return "no figures: no run of any contender succeeded"
+    ratios = [o for o in CONTENDERS[1:] if _ratio_key(o) in summary]
+    lines = ["| figure (median) | " + " | ".join(names) + "".join(f" | kxpu / {o}" for o in ratios) + " |"]
+    lines.append("|---" * (len(names) + 1 + len(ratios)) + "|")
     for k in FIGURES:
         row = [str(summary[n].get(k, "")) for n in names]
-        if len(names) == 2:
-            row.append(f"{summary['kxpu_over_nvidia'].get(k, '')}x")
+        row += [f"{summary[_ratio_key(o)].get(k, '')}x" for o in ratios]
         lines.append(f"| {k} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -412,6 +431,8 @@ async def bench(args: argparse.Namespace, results: Results) -> None:
             doc["nvidia_version"] = _run([str(binary), "--version"], timeout=10).splitlines()[:1]
         else:
             plugin_dir = base / "dp"
+        if args.python_floor and expected:
+            contenders.append(floor_contender(args.python, expected))
         doc["plugin_dir"] = str(plugin_dir)
         doc["contenders"] = {c.name: {"argv": c.argv} for c in contenders}
         if reason:
@@ -479,6 +500,12 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="both contenders also pass /dev/nvidia* in Allocate",
+    )
+    parser.add_argument(
+        "--python-floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also a bare Python gRPC plugin listing the same GPUs (bench/bare_dp_registrar.py)",
     )
     parser.add_argument("--kxpu-log-level", default="info", help="kxpu's --log-level (info, as deployed)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs kxpu")

@@ -50,19 +50,27 @@ def test_both_contenders_measured_through_the_stand_in_kubelet(tmp_path: Path) -
     assert doc["complete"] is True
     assert len(doc["expected_gpus"]) == 8
     runs = {r["contender"]: r for r in doc["runs"]}
-    assert sorted(runs) == ["kxpu", "nvidia"]
+    assert sorted(runs) == ["kxpu", "nvidia", "python-floor"]
     for run in runs.values():
         assert "error" not in run, run
         assert run["gpus"] == 8
         assert 0 < run["exec_to_registered_ms"] <= run["exec_to_listed_ms"]
         assert 0 < run["allocate_p50_ms"] <= run["allocate_p99_ms"]
-        assert (
-            run["rss_settled_mb"] > 0 and run["allocate_device_nodes"] == 1
-        )  # --pass-device-specs: /dev/nvidiaN
-        assert run["exit_status"] == 0  # SIGTERM ends both cleanly
-    ratios = doc["summary"]["kxpu_over_nvidia"]
-    assert set(ratios) >= {"exec_to_registered_ms", "exec_to_listed_ms", "allocate_p50_ms", "rss_settled_mb"}
-    assert "| kxpu / nvidia |" in done.stdout
+        assert run["rss_settled_mb"] > 0
+        assert run["exit_status"] == 0  # SIGTERM ends each cleanly
+    assert (
+        runs["kxpu"]["allocate_device_nodes"] == runs["nvidia"]["allocate_device_nodes"] == 1
+    )  # /dev/nvidiaN
+    assert runs["python-floor"]["allocate_device_nodes"] == 0  # the floor passes no device specs
+    for other in ("nvidia", "python_floor"):
+        ratios = doc["summary"][f"kxpu_over_{other}"]
+        assert set(ratios) >= {
+            "exec_to_registered_ms",
+            "exec_to_listed_ms",
+            "allocate_p50_ms",
+            "rss_settled_mb",
+        }
+    assert "| kxpu / nvidia | kxpu / python-floor |" in done.stdout
 
 
 def test_nvidia_that_cannot_start_is_one_line_then_dropped_and_a_kill_keeps_the_results(
@@ -104,5 +112,5 @@ def test_without_a_usable_binary_nvidia_is_skipped_with_the_reason(tmp_path: Pat
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads(out.read_text())
     assert doc["contenders"]["nvidia"] == {"skipped": f"{tmp_path / 'missing'} is not an executable file"}
-    assert [r["contender"] for r in doc["runs"]] == ["kxpu"]
+    assert [r["contender"] for r in doc["runs"]] == ["kxpu", "python-floor"]
     assert f"nvidia: skipped: {tmp_path / 'missing'} is not an executable file" in done.stdout
