@@ -20,7 +20,6 @@ import os
 import threading
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from kxpu.atomicfile import write_atomically
 from kxpu.backends.host import Host
@@ -556,12 +555,15 @@ class NvidiaBackend(Backend):
             units.append(unit)
         return units
 
-    def _dev_root(self) -> Path:
-        root = self.config.nvidia_driver_root
-        return root if (root / "dev").is_dir() else Path("/")
+    def _dev_prefix(self) -> str:
+        """What host paths of device nodes start with: the driver root's when it holds /dev, else nothing (/)."""
+        root = str(self.config.nvidia_driver_root).rstrip("/")
+        return root if root and os.path.isdir(f"{root}/dev") else ""
 
     def _device_nodes(self, units: Sequence[Unit]) -> list[DeviceNode]:
-        dev_root = self._dev_root()
+        # Looked at on every Allocate (the UVM nodes appear once the driver loads nvidia-uvm), as text paths:
+        # pathlib made this nine tenths of an NVIDIA Allocate's own time.
+        prefix = self._dev_prefix()
         paths: list[str] = []
         for unit in units:
             if unit.gpu.minor is None:
@@ -569,8 +571,8 @@ class NvidiaBackend(Backend):
             paths.append(f"/dev/nvidia{unit.gpu.minor}")
             if unit.mig is not None:
                 paths += unit.mig.cap_paths
-        paths += [f"/dev/{name}" for name in CONTROL_DEVICES if (dev_root / "dev" / name).exists()]
-        return [DeviceNode(path, str(dev_root / path.lstrip("/")), "rw") for path in dict.fromkeys(paths)]
+        paths += [f"/dev/{name}" for name in CONTROL_DEVICES if os.path.exists(f"{prefix}/dev/{name}")]
+        return [DeviceNode(path, f"{prefix}{path}", "rw") for path in dict.fromkeys(paths)]
 
     @property
     def _strategy(self) -> str:
