@@ -171,7 +171,7 @@ def plugin(
     log_format: str,
 ) -> None:
     """Serve the configured resources to the kubelet (the node daemon)."""
-    from kxpu.daemon import Daemon
+    from kxpu.daemon import Daemon, late_metrics
     from kxpu.daemon.http_listen import HttpAddressError, parse_address
 
     configure_logging(log_level, "json" if log_format == "json" else "text")
@@ -206,6 +206,8 @@ def plugin(
     authorize = _http_authorizer() if http_address and http_auth == "kubernetes" else None
 
     async def serve() -> int:
+        # Before the draining drivers' plugins take their series: metrics load once the resources have registered.
+        late_metrics.defer()
         leftovers = _leftovers(config, node)
         daemon = Daemon(
             config,

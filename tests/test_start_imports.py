@@ -236,3 +236,23 @@ async def test_without_a_kubelet_the_probes_and_metrics_still_come_up(workdir: P
         assert await daemon.stop() == 0
     finally:
         await daemon.stop()
+
+
+async def test_a_node_draining_an_old_dra_driver_still_registers_before_it_loads_metrics(
+    workdir: Path,
+) -> None:
+    # Claims still prepared by a driver this config no longer serves through DRA (kxpu.dra.leftover): the daemon
+    # serves that driver for unprepare only, and that must not pull the metrics library before the registration.
+    config, log = _config(workdir, dra=False), workdir / "daemon.log"
+    old = workdir / "plugins" / "old.example.com"
+    old.mkdir(parents=True)
+    (old / "checkpoint.json").write_text(
+        json.dumps({"version": "v1", "driver": "old.example.com", "claims": {"uid-1": {}}})
+    )
+    async with _registered(workdir, config, "example.com/npu", dra=False, NODE_NAME="node-a") as daemon:
+        await _metrics(daemon)
+        assert await daemon.stop() == 0
+    text = log.read_text()
+    assert "kxpu.dra.leftover" in _loaded(log)  # the draining driver is served
+    registered = _first_line(text, r"component=kxpu\.daemon\.\w+ event=\"registered with the kubelet\"")
+    assert all(_import_line(text, m) > registered for m in AFTER_REGISTRATION), text
