@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -484,3 +486,27 @@ async def test_the_prepared_claims_on_metrics_follow_the_checkpoint(rig: Rig) ->
     assert prepared() == 1
     assert (await rig.preparer.unprepare(claims[1:2]))[claims[1].uid] is None
     assert prepared() == 0
+
+
+async def test_a_stopped_preparer_keeps_its_count_on_metrics_and_is_not_kept_in_memory(rig: Rig) -> None:
+    """A driver stopped by a reload that removed it: /metrics keeps the count still prepared on the node, and its
+    preparer (checkpoint, caches) is freed; a preparer of the same driver started meanwhile is not affected."""
+    from prometheus_client import REGISTRY
+
+    def prepared() -> float | None:
+        return REGISTRY.get_sample_value("kxpu_dra_claims_prepared", {"driver": DRIVER})
+
+    claims = [rig.api.add_claim(f"c{n}", [result(f"sim-{n}")]) for n in range(3)]
+    assert all(a.error is None for a in (await rig.preparer.prepare(claims[:2])).values())
+    old = rig.preparer
+    newer = rig.preparer = rig.make()  # the driver started again before the old one's stop finished
+    old.stop_reporting()
+    assert (await newer.prepare(claims[2:]))[claims[2].uid].error is None
+    assert prepared() == 3  # still the newer preparer's checkpoint, read live
+    newer.stop_reporting()
+    assert (await newer.unprepare(claims[:1]))[claims[0].uid] is None
+    assert prepared() == 3  # the stopped driver's last count
+    gone = weakref.ref(newer)
+    del old, newer, rig.preparer
+    gc.collect()
+    assert gone() is None

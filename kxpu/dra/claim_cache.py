@@ -136,8 +136,12 @@ class ClaimCache:
         self._claims: dict[str, dict[str, Any]] = {}  # UID → trimmed claim
         self._pods: dict[str, frozenset[str]] = {}  # UID → its reservedFor pod UIDs, while allocated here
         # Read when /metrics is asked, not set on every event and prepare.
-        metrics.CLAIM_CACHE_CLAIMS.labels(driver).set_function(lambda: len(self._claims))
+        self._reading = metrics.Reading(metrics.CLAIM_CACHE_CLAIMS, (driver,), lambda: len(self._claims))
         self.log = log.bind(driver=driver)
+
+    def stop_reporting(self) -> None:
+        """Stopped: /metrics says it holds nothing (it no longer follows the watch) without holding this cache."""
+        self._reading.stop(0)
 
     def __len__(self) -> int:
         return len(self._claims)

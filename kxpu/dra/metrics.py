@@ -4,6 +4,9 @@ the daemon has registered (``kxpu.daemon.late_metrics``)."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 from kxpu.daemon.late_metrics import LateMetric
 
 # Prepare reads the claim from the API server and writes a CDI spec: milliseconds, with a tail.
@@ -67,3 +70,31 @@ METRIC_NAMES = frozenset(
         "kxpu_dra_pool_generation",
     }
 )
+
+
+# The Reading each gauge series follows now (weak: a Reading lives as long as the object it reads from).
+_readings: weakref.WeakValueDictionary[tuple[str, tuple[str, ...]], Reading] = weakref.WeakValueDictionary()
+
+
+class Reading:
+    """A gauge series whose value is read from a live object when /metrics is asked (never set per claim).
+
+    ``stop()`` lets go of that object: the series keeps its last value, and the registry no longer holds a stopped
+    driver's preparer or cache in memory (a driver a reload removed stayed there, read by every scrape). A newer
+    Reading of the same series (the driver started again) is left as it is."""
+
+    def __init__(self, gauge: LateMetric, labels: tuple[str, ...], read: Callable[[], float]) -> None:
+        self._key = (gauge.name, labels)
+        self._series = gauge.labels(*labels)
+        self._read: Callable[[], float] | None = read
+        _readings[self._key] = self
+        self._series.set_function(read)
+
+    def stop(self, last: float | None = None) -> None:
+        """Keep ``last`` (what it reads now when None) and let go of the object read."""
+        read, self._read = self._read, None
+        if read is None or _readings.get(self._key) is not self:
+            return
+        value = float(read()) if last is None else last
+        self._series.set_function(lambda: value)
+        del _readings[self._key]

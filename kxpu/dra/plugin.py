@@ -300,6 +300,9 @@ class DraPlugin:
             self.publish_lock.release()  # the other process of a rolling update publishes from here on
             self.registered = False
             metrics.DRIVER_REGISTERED.labels(self.driver).set(0)
+            self.preparer.stop_reporting()
+            if self.claim_cache is not None:
+                self.claim_cache.stop_reporting()
             if self._close is not None:
                 try:
                     await self._close()

@@ -186,11 +186,17 @@ class Preparer:
         self._unprepare_seconds = metrics.UNPREPARE_SECONDS.labels(driver)
         self._prepare_errors = metrics.PREPARE_ERRORS.labels(driver)
         # Read when /metrics is asked (what the checkpoint holds, whichever process wrote it), not set per call.
-        metrics.CLAIMS_PREPARED.labels(driver).set_function(lambda: len(self.checkpoint.claims))
+        self._prepared_reading = metrics.Reading(
+            metrics.CLAIMS_PREPARED, (driver,), lambda: len(self.checkpoint.claims)
+        )
         self._reads_cache = metrics.CLAIM_READS.labels(driver, "cache")
         self._reads_api = metrics.CLAIM_READS.labels(driver, "api")
         self._spec_prefix = f"kxpu-dra-{driver}-"
         self._metadata_ids = f"{driver}/{CDI_CLASS}="  # how the CDI IDs of metadata files start
+
+    def stop_reporting(self) -> None:
+        """Stopped: /metrics keeps the count prepared now (the claims stay prepared) without holding this preparer."""
+        self._prepared_reading.stop()
 
     @property
     def _policy(self) -> SharePolicy:
