@@ -5,12 +5,16 @@ the DRAPlugin v1 service on a unix socket, its claims in its claim cache as the 
 (what answers prepare in a daemon: no round trip); this process calls ``NodePrepareResources`` then
 ``NodeUnprepareResources`` for each claim, one at a time, as the kubelet does for a pod, after a warm-up.
 Reported: the server's CPU time per claim (prepare + unprepare), prepare p50, and the same for a bare grpc.aio
-server answering the same calls with fixed answers (the floor). ``--baseline TREE`` runs another kxpu source
+server answering the same calls with fixed answers (the floor). ``--files-floor`` adds a bare server that also does
+the file work kxpu must do for each claim and nothing else (the claim's CDI spec written atomically and removed, the
+checkpoint written durably for the prepare and again for the unprepare, through ``kxpu.atomicfile`` as kxpu does):
+the floor of gRPC and those files on this machine. ``--baseline TREE`` runs another kxpu source
 tree's server in turn with this one (interleaved rounds: before and after on the same machine, same load).
 ``--profile FILE`` then runs this tree's server once more under cProfile (CPU time, not wall; not counted in the
 figures) and writes its profile for ``python -m pstats``.
 
-``python bench/bench_dra_prepare_cpu.py [--claims 320] [--rounds 3] [--baseline TREE] [--profile FILE]``.
+``python bench/bench_dra_prepare_cpu.py [--claims 320] [--rounds 3] [--baseline TREE] [--files-floor]
+[--profile FILE]``.
 Needs no cluster and no root.
 """
 
@@ -39,6 +43,7 @@ from measure import cpu_seconds, percentile
 
 from kxpu.api.dra.v1 import api_pb2 as dra
 from kxpu.api.dra.v1 import api_pb2_grpc as dra_grpc
+from kxpu.atomicfile import write_atomically
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = "npu.example.com"
@@ -46,7 +51,7 @@ NODE = "node-a"
 WARM_UP = 20
 
 
-async def serve(work: Path, claims: int, bare: bool, profile: str | None) -> None:
+async def serve(work: Path, claims: int, bare: bool, files: bool, profile: str | None) -> None:
     """The server side (``--serve``): writes the claims' references to ``work/refs.json``, then ``work/ready``."""
     from kxpu.backends.simulated import SimulatedBackend, SimulatedConfig
     from kxpu.dra.checkpoint import Checkpoint
@@ -72,7 +77,7 @@ async def serve(work: Path, claims: int, bare: bool, profile: str | None) -> Non
     (work / "refs.json").write_text(json.dumps([[r.namespace, r.uid, r.name] for r in refs]))
     server = grpc.aio.server()
     if bare:
-        dra_grpc.add_DRAPluginServicer_to_server(Bare(), server)
+        dra_grpc.add_DRAPluginServicer_to_server(Bare(work if files else None), server)
     else:
         checkpoint = Checkpoint(work / "plugins" / "checkpoint.json", DRIVER)
         checkpoint.load()
@@ -100,11 +105,50 @@ async def serve(work: Path, claims: int, bare: bool, profile: str | None) -> Non
 
 
 class Bare(dra_grpc.DRAPluginServicer):
-    """The floor: the same calls answered with fixed answers."""
+    """The floor: the same calls answered with fixed answers; with ``work``, after kxpu's file work for each
+    claim (the same files, as large as kxpu's, written the same way), the loop blocked as kxpu's is."""
+
+    def __init__(self, work: Path | None = None) -> None:
+        self.work = None if work is None else str(work)
+        if self.work is not None:
+            os.makedirs(f"{self.work}/cdi")
+            os.makedirs(f"{self.work}/plugins")
+
+    def _spec(self, uid: str) -> str:
+        return f"{self.work}/cdi/kxpu-dra-{DRIVER}-{uid}.json"
+
+    def _checkpoint(self, claims: dict[str, Any]) -> None:
+        text = json.dumps({"version": "v1", "driver": DRIVER, "claims": claims}, separators=(",", ":"))
+        write_atomically(f"{self.work}/plugins/checkpoint.json", text + "\n", mode=0o600, durable=True)
 
     async def NodePrepareResources(
         self, request: dra.NodePrepareResourcesRequest, context: Any
     ) -> dra.NodePrepareResourcesResponse:
+        if self.work is not None:
+            recorded = {}
+            for claim in request.claims:
+                cdi = f"{DRIVER}/claim={claim.uid}-npu"
+                device = {
+                    "name": f"{claim.uid}-npu",
+                    "containerEdits": {"env": ["NPU_VISIBLE_DEVICES=sim-0"]},
+                }
+                spec = {"cdiVersion": "0.5.0", "kind": f"{DRIVER}/claim", "devices": [device]}
+                write_atomically(self._spec(claim.uid), json.dumps(spec, separators=(",", ":")) + "\n")
+                recorded[claim.uid] = {
+                    "namespace": claim.namespace,
+                    "name": claim.name,
+                    "cdiSpec": self._spec(claim.uid),
+                    "devices": [
+                        {
+                            "requests": ["npu"],
+                            "pool": NODE,
+                            "device": "sim-0",
+                            "id": "sim-0",
+                            "cdiDeviceIDs": [cdi],
+                        }
+                    ],
+                }
+            self._checkpoint(recorded)
         response = dra.NodePrepareResourcesResponse()
         for claim in request.claims:
             response.claims[claim.uid].devices.add(
@@ -115,6 +159,10 @@ class Bare(dra_grpc.DRAPluginServicer):
     async def NodeUnprepareResources(
         self, request: dra.NodeUnprepareResourcesRequest, context: Any
     ) -> dra.NodeUnprepareResourcesResponse:
+        if self.work is not None:
+            for claim in request.claims:
+                os.unlink(self._spec(claim.uid))
+            self._checkpoint({})
         response = dra.NodeUnprepareResourcesResponse()
         for claim in request.claims:
             response.claims[claim.uid].error = ""
@@ -132,7 +180,8 @@ async def drive(name: str, tree: Path, claims: int, profile: str | None) -> dict
     with tempfile.TemporaryDirectory(prefix="kxpu-prepare-cpu-") as tmp:
         work = Path(tmp)
         command = [sys.executable, __file__, "--serve", str(work), "--claims", str(claims)]
-        command += ["--bare"] if name == "bare" else []
+        command += ["--bare"] if name.startswith("bare") else []
+        command += ["--files"] if name == "bare+files" else []
         command += ["--profile", profile] if profile else []
         proc = start(command, tree, work)
         try:
@@ -180,6 +229,7 @@ async def drive(name: str, tree: Path, claims: int, profile: str | None) -> dict
 async def bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     contenders = [
         ("bare", REPO),
+        *([("bare+files", REPO)] if args.files_floor else []),
         *([("kxpu@baseline", args.baseline)] if args.baseline else []),
         ("kxpu", REPO),
     ]
@@ -198,12 +248,16 @@ def main() -> int:
     parser.add_argument("--claims", type=int, default=320)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--baseline", type=Path, help="another kxpu source tree, run in turn with this one")
+    parser.add_argument(
+        "--files-floor", action="store_true", help="also a bare server doing kxpu's file work for each claim"
+    )
     parser.add_argument("--profile", help="write a cProfile (CPU time) of this tree's server here")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--files", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(serve(args.serve, args.claims, args.bare, args.profile))
+        asyncio.run(serve(args.serve, args.claims, args.bare, args.files, args.profile))
         return 0
     results = asyncio.run(bench(args))
     load = os.getloadavg()[0]
