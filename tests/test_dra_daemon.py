@@ -495,3 +495,41 @@ async def test_prepares_do_not_wake_the_socket_check_but_a_removed_dra_socket_do
     assert (rig.plugins / DRIVER / "dra.sock").is_socket()
     # The removal, the socket served again and the registration: a few wake-ups, none per prepare.
     assert len(wakes) - before <= 6, f"{len(wakes) - before} wake-ups for 20 prepares and one removed socket"
+
+
+async def test_a_driver_stopped_while_it_loads_its_checkpoint_lets_go_of_its_metrics(rig: Rig) -> None:
+    """A reload or SIGTERM while the driver starts: its prepared-claims series stops reading the stopped driver's
+    preparer (which is freed) and keeps the count it had."""
+    import gc
+    import threading
+    import weakref
+
+    from prometheus_client import REGISTRY
+
+    config = rig.config()
+    resource = config.resources[0]
+    plugin = rig.factory(resource, _build(resource), DeviceSnapshot())
+    loading, release = threading.Event(), threading.Event()
+    real_load = plugin.checkpoint.load
+
+    def slow_load() -> None:
+        loading.set()
+        release.wait(10)
+        real_load()
+
+    plugin.checkpoint.load = slow_load  # type: ignore[method-assign]
+    task = asyncio.create_task(plugin.run())
+    await asyncio.to_thread(loading.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    assert REGISTRY.get_sample_value("kxpu_dra_claims_prepared", {"driver": resource.dra_driver}) == 0
+    gone = weakref.ref(plugin.preparer)
+    del plugin, task
+    for _ in range(50):  # the loading thread lets go of the checkpoint once it returns
+        gc.collect()
+        if gone() is None:
+            break
+        await asyncio.sleep(0.02)
+    assert gone() is None

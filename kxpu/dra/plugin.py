@@ -263,22 +263,24 @@ class DraPlugin:
 
     async def run(self) -> None:
         """Serve until cancelled; the sockets are removed on the way out, the slices and checkpoint kept
-        (a restarted daemon takes over without a gap in what the scheduler sees)."""
-        if self.instance is not None:
-            removed_sockets = await asyncio.to_thread(self._remove_dead_sockets)
-            if removed_sockets:
-                self.log.info(
-                    "removed the sockets of earlier instances nobody serves",
-                    sockets=[str(p) for p in removed_sockets],
-                )
-        await self._load_checkpoint()
-        removed = await asyncio.to_thread(self.preparer.remove_orphan_specs)
-        if removed:
-            self.log.info(
-                "removed CDI specs of claims that were never checkpointed", files=[str(p) for p in removed]
-            )
-        self.log.info("DRA driver starting", node=self.node, prepared_claims=len(self.checkpoint.claims))
+        (a restarted daemon takes over without a gap in what the scheduler sees). Stopped while it starts (a
+        reload, SIGTERM), it cleans up all the same."""
         try:
+            if self.instance is not None:
+                removed_sockets = await asyncio.to_thread(self._remove_dead_sockets)
+                if removed_sockets:
+                    self.log.info(
+                        "removed the sockets of earlier instances nobody serves",
+                        sockets=[str(p) for p in removed_sockets],
+                    )
+            await self._load_checkpoint()
+            removed = await asyncio.to_thread(self.preparer.remove_orphan_specs)
+            if removed:
+                self.log.info(
+                    "removed CDI specs of claims that were never checkpointed",
+                    files=[str(p) for p in removed],
+                )
+            self.log.info("DRA driver starting", node=self.node, prepared_claims=len(self.checkpoint.claims))
             if self.pod_resources is not None:
                 await self._read_held()  # before the first publish: never offer a device a pod still uses
             api_after = asyncio.get_running_loop().time() + API_AFTER_SECONDS
@@ -300,14 +302,14 @@ class DraPlugin:
             self.publish_lock.release()  # the other process of a rolling update publishes from here on
             self.registered = False
             metrics.DRIVER_REGISTERED.labels(self.driver).set(0)
-            self.preparer.stop_reporting()
-            if self.claim_cache is not None:
-                self.claim_cache.stop_reporting()
             if self._close is not None:
                 try:
                     await self._close()
                 except Exception as exc:
                     self.log.warning("cannot close the API client", error=error_text(exc))
+            self.preparer.stop_reporting()
+            if self.claim_cache is not None:
+                self.claim_cache.stop_reporting()
 
     async def _after_registration(self, work: Callable[[], Awaitable[None]], deadline: float) -> None:
         """``work`` once the kubelet accepted the driver, or from ``deadline`` (API_AFTER_SECONDS)."""
