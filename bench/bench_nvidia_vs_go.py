@@ -24,7 +24,9 @@ kubelet socket is a flag), so the stand-in serves there for both contenders when
 a temporary directory. ``--fake PROFILE`` runs kxpu over the fake NVML (``kxpu.testing.fake_nvml``) in a
 temporary directory, to test this script without a GPU.
 
-Every wait has a deadline, ``--deadline`` bounds the whole run (no run starts that could not end in time), and
+Every wait has a deadline, ``--deadline`` bounds the whole run (no run starts unless the contender's runs so far
+say it ends in time; a plugin that slows down within a run can still overrun, so the runner wraps it in
+``timeout``), and
 the JSON at ``--out`` is rewritten after every run, so a killed run still leaves its results.
 
 ``python bench/bench_nvidia_vs_go.py --out results.json [--nvidia-bin PATH] [--runs 9] [--fake a100-8x]``
