@@ -32,24 +32,12 @@ import time
 from pathlib import Path
 
 from bench_startup import DEVICES, RESOURCE, _kxpu_config, _python, _site
-from measure import percentile
+from measure import percentile, thread_cpu_seconds
 
 from kxpu.api.deviceplugin.v1beta1 import api_pb2 as pb
 from kxpu.testing import KubeletStandIn
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _cpu_seconds(pid: int) -> float:
-    """Time on a CPU of every thread the process has now (schedstat: nanoseconds, where /proc's stat counts
-    10 ms ticks, too coarse for a batch of calls of a fraction of a millisecond each)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
-            continue
-    return total / 1e9
 
 
 def _free_port() -> int:
@@ -97,13 +85,13 @@ class Contender:
             await self.view.stub.Allocate(self.request, timeout=10)
 
     async def batch(self, calls: int) -> None:
-        before = _cpu_seconds(self.proc.pid)
+        before = thread_cpu_seconds(self.proc.pid)
         batch = []
         for _ in range(calls):
             started = time.perf_counter()
             await self.view.stub.Allocate(self.request, timeout=10)
             batch.append(time.perf_counter() - started)
-        cpu = _cpu_seconds(self.proc.pid) - before
+        cpu = thread_cpu_seconds(self.proc.pid) - before
         self.latencies += batch
         self.cpu += cpu
         self.calls += calls
