@@ -195,6 +195,8 @@ def test_helm_upgrade_rolls_the_node_daemon_without_disturbing_pods_devices_or_s
     slices_before = {s["metadata"]["name"]: (s["metadata"]["uid"], s["spec"]["pool"]["generation"])
                      for s in dra.slices(cluster, DRIVER)}  # fmt: skip
 
+    kubelet_log = cluster.log_file("kubelet")
+    log_from = kubelet_log.stat().st_size
     node_watch = Watch(cluster, "node", NODE_NAME)
     slice_watch = Watch(cluster, "resourceslices", f"--field-selector=spec.driver={DRIVER}")
     try:
@@ -246,6 +248,21 @@ def test_helm_upgrade_rolls_the_node_daemon_without_disturbing_pods_devices_or_s
         for _, obj in node_watch.events
     ]
     assert len(seen) > 1 and min(seen) == 2, seen
+    # Sampled every 2 s, the Node could miss a short drop; the kubelet's own log cannot. The chart chose
+    # devicePluginHandover alongside for this 1.37 cluster: the new daemon registered a socket of its own beside the
+    # old one's, so the kubelet never lost the resource's last plugin (the line below is 1.37's, at --v=2).
+    with kubelet_log.open("rb") as log:
+        log.seek(log_from)
+        rolled = log.read().decode(errors="replace").splitlines()
+    assert any("Registered client" in line and DP_RES in line for line in rolled)
+    dropped = [
+        line
+        for line in rolled
+        if "Last device plugin for this resource disconnected" in line and DP_RES in line
+    ]
+    assert not dropped, dropped
+    sockets = sorted(p.name for p in (KUBELET_ROOT / "device-plugins").glob("kxpu-upgrade.kxpu.io_npu*.sock"))
+    assert len(sockets) == 1 and "@" in sockets[0], sockets  # the new daemon's own; the old one removed its
 
     # No slice deleted or created again, none changed generation: the same objects before and after.
     kinds = [(kind, obj["metadata"]["name"]) for kind, obj in slice_watch.events]

@@ -71,7 +71,9 @@ def _load(config_path: Path, device_plugin_dir: Path | None, imports: tuple[str,
         _fail(str(exc))
     try:
         config = load_config(config_path, device_plugin_dir)
-        check_socket_paths(config.device_plugin_dir, [r.name for r in config.resources])
+        check_socket_paths(
+            config.device_plugin_dir, [r.name for r in config.resources], config.device_plugin_handover
+        )
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
         raise  # unreachable; keeps type checkers honest

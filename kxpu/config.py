@@ -218,6 +218,15 @@ class Config(_Model):
         default=DEFAULT_POD_RESOURCES_SOCKET,
         description="the kubelet's PodResources API: who holds which device (telemetry; DRA during a migration)",
     )
+    device_plugin_handover: Literal["standby", "alongside"] = Field(
+        default="standby",
+        description=(
+            "how a second daemon (a rolling update's new pod) takes a device-plugin resource over: standby waits "
+            "for the serving one's socket to go (any kubelet; the kubelet counts the devices unhealthy for the "
+            "milliseconds between); alongside serves a socket of its own and registers beside it (kubelet 1.37+ "
+            "keeps both, so the devices never drop)"
+        ),
+    )
     resources: list[ResourceConfig] = Field(min_length=1)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 

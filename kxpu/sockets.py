@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 from pathlib import Path
 
@@ -17,6 +18,7 @@ def live_socket(path: Path) -> bool:
             probe.connect(str(path))
         except BlockingIOError:
             return True  # backlog full: alive, just busy
-        except OSError:
-            return False
+        except OSError as exc:
+            # Refused or gone: nobody there. Anything else (EACCES: another user's socket) is not ours to call dead.
+            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
         return True

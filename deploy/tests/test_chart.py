@@ -204,8 +204,36 @@ def test_a_vendor_library_reaches_the_daemon_through_extra_volumes(
 def test_config_is_the_values_config(default: Rendered) -> None:
     ds = default.one("DaemonSet")
     config = config_of(default, ds)
-    assert config == chart_values()["config"]
+    handover = config.pop("devicePluginHandover")  # the one key the chart adds (plugin.devicePluginHandover)
+    assert config == chart_values()["config"] and handover in ("alongside", "standby")
     parse_config(config, "values.yaml config")  # what kxpu would load: valid, not just YAML
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--kube-version", "1.37.0"], {"default": "alongside", "a": "alongside"}),
+        (["--kube-version", "1.36.4"], {"default": "standby", "a": "standby"}),
+        (["--kube-version", "1.34.4"], {"default": "standby", "a": "standby"}),
+        (["--kube-version", "1.37.0", "--set", "plugin.devicePluginHandover=standby"], {"default": "standby", "a": "standby"}),
+        (["--kube-version", "1.34.4", "--set", "plugin.devicePluginHandover=alongside"], {"default": "alongside", "a": "alongside"}),
+        (["--kube-version", "1.37.0", "--set", "config.devicePluginHandover=standby"], {"default": "standby", "a": "alongside"}),
+    ],
+    ids=["1.37-auto", "1.36-auto", "1.34-auto", "standby", "alongside", "a-config-keeps-its-own"],
+)  # fmt: skip
+def test_device_plugin_handover_follows_the_cluster_version_unless_set(
+    helm: Path, args: list[str], expected: dict[str, str]
+) -> None:
+    """alongside needs the 1.37 kubelet's endpoints per socket: before it, the kubelet drops the new pod's devices
+    when the old pod stops (docs/dra.md, "Upgrades"). Each node config gets the value unless it names its own."""
+    rendered = template(helm, *node_config("a", '[{"name":"a.io/b","simulated":{"count":1}}]'), *args)
+    got = {
+        name: config_of(rendered, ds)["devicePluginHandover"]
+        for name, ds in daemonsets_by_config(rendered).items()
+    }
+    assert got == expected
+    for ds in rendered.kinds("DaemonSet"):
+        parse_config(config_of(rendered, ds), "rendered config")
 
 
 def test_default_rbac_only_reviews_tokens_for_status(default: Rendered) -> None:
@@ -266,7 +294,9 @@ def test_one_daemonset_per_node_config(overrides: Rendered) -> None:
     values = override_values()
     expected = {"default": values["config"], **values["nodeConfigs"]}
     for name, ds in by_config.items():
-        assert config_of(overrides, ds) == expected[name]
+        config = config_of(overrides, ds)
+        assert config.pop("devicePluginHandover") in ("alongside", "standby")  # helm's version: see below
+        assert config == {k: v for k, v in expected[name].items() if k != "devicePluginHandover"}
         parse_config(config_of(overrides, ds), name)
     checksums = {
         ds["spec"]["template"]["metadata"]["annotations"]["checksum/config"] for ds in by_config.values()
@@ -402,6 +432,7 @@ def node_config(name: str, resources: str = '[{"name":"a.io/b","simulated":{}}]'
         (["--set-json", "config.resources=[]"], "config.resources must list"),
         (["--set", "config.version=v2"], "config.version must be v1"),
         (["--set", "serviceMonitor.enabled=true", "--set", "service.enabled=false"], "needs service.enabled"),
+        (["--set", "plugin.devicePluginHandover=later"], "plugin.devicePluginHandover"),
     ],
     ids=[
         "reserved-name",
@@ -410,6 +441,7 @@ def node_config(name: str, resources: str = '[{"name":"a.io/b","simulated":{}}]'
         "empty-config",
         "bad-version",
         "monitor-without-service",
+        "bad-handover",
     ],
 )
 def test_bad_values_are_refused(helm: Path, args: list[str], message: str) -> None:

@@ -280,7 +280,12 @@ class Daemon:
 
     def _start(self, resource: ResourceConfig) -> None:
         runner = ResourceRunner(
-            resource, self.config.device_plugin_dir, self._build, self._dra, self._leftovers
+            resource,
+            self.config.device_plugin_dir,
+            self._build,
+            self._dra,
+            self._leftovers,
+            handover=self.config.device_plugin_handover,
         )
         task = asyncio.create_task(runner.run(), name=f"resource {resource.name}")
         self._running[resource.name] = _Running(runner, task)
@@ -425,7 +430,9 @@ class Daemon:
     async def _reload(self) -> None:
         try:
             new = await asyncio.to_thread(self._reload_config)
-            check_socket_paths(new.device_plugin_dir, [r.name for r in new.resources])
+            check_socket_paths(
+                new.device_plugin_dir, [r.name for r in new.resources], new.device_plugin_handover
+            )
         except (ConfigError, ValueError) as exc:
             log.error("reload failed; keeping the running config", error=str(exc))
             return
@@ -457,6 +464,13 @@ class Daemon:
         wanted = {r.name: r for r in new.resources}
         current = {name: r.runner.config for name, r in self._running.items()}
         self.config = new
+        if new.device_plugin_handover != old.device_plugin_handover:
+            # It decides how a daemon starting later takes over; restarting what serves now would only open a gap.
+            log.info(
+                "devicePluginHandover changed; resources keep their sockets, and resources started from now "
+                "on (and the next daemon) use it",
+                handover=new.device_plugin_handover,
+            )
         removed = [name for name in current if name not in wanted]
         changed = [name for name in current if name in wanted and wanted[name] != current[name]]
         added = [name for name in wanted if name not in current]

@@ -15,11 +15,12 @@ import errno
 import hashlib
 import itertools
 import os
+import secrets
 import socket
 import stat
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import grpc
 
@@ -106,6 +107,10 @@ class Phase(enum.StrEnum):
     STOPPED = "stopped"
 
 
+# Handover alongside: re-registrations after the kubelet let go of us back off from 50 ms; after this long without
+# one, the next starts at 50 ms again.
+DROP_RESET_SECONDS = 30.0
+
 # A ServeError that persists (a directory kxpu may not write) is logged once, then at this interval.
 BLOCKED_RELOG_SECONDS = 600.0
 
@@ -115,41 +120,81 @@ RETRY_INITIAL_SECONDS = 0.5
 RETRY_MAX_SECONDS = 30.0
 
 _HASH_HEX = 16
+# handover alongside: each serve gets a socket of its own, ``…@<8 hex>.sock`` (``@`` is never in a resource name)
+_INSTANCE_HEX = 8
+_INSTANCE_TAIL = len("@") + _INSTANCE_HEX + len(".sock")
 _SHORTEST_NAME = len("kxpu-") + _HASH_HEX + len(".sock")  # a hashed socket name without a hint
 # The longest device-plugin directory in which every resource gets a socket name: a hashed name always fits,
 # and so does the private bind name (``.kxpu-<pid>-<n>``: a pid has at most 7 digits).
 MAX_PLUGIN_DIR = MAX_SOCKET_PATH - 1 - _SHORTEST_NAME
+MAX_PLUGIN_DIR_ALONGSIDE = MAX_PLUGIN_DIR - (_INSTANCE_TAIL - len(".sock"))
 
 
 def _path_bytes(path: Path) -> int:
     return len(os.fsencode(path))
 
 
-def socket_name(resource: str, plugin_dir: Path | None = None) -> str:
+def socket_name(resource: str, plugin_dir: Path | None = None, instance: str | None = None) -> str:
     """``example.com/npu`` → ``kxpu-example.com_npu.sock``: one socket per resource, and one resource
-    per socket, since a domain cannot contain ``_`` (``a.com/b-c`` and ``a.com-b/c`` stay apart).
+    per socket, since a domain cannot contain ``_`` (``a.com/b-c`` and ``a.com-b/c`` stay apart). With
+    ``instance`` (handover alongside), ``kxpu-example.com_npu@<instance>.sock``: one per serving process.
 
     A name whose path in ``plugin_dir`` would pass the unix limit (a valid resource name can be 308
     characters) gets ``kxpu-<name part, shortened>-<16 hex of its SHA-256>.sock`` instead: the kubelet only
     needs the endpoint it is told at registration. Such names contain no ``_``, so they never meet a
     readable one, and the hash keeps two long names apart.
     """
-    readable = "kxpu-" + resource.replace("/", "_", 1) + ".sock"
+    tail = f"@{instance}.sock" if instance else ".sock"
+    readable = "kxpu-" + resource.replace("/", "_", 1) + tail
     if plugin_dir is None or _path_bytes(plugin_dir / readable) <= MAX_SOCKET_PATH:
         return readable
     digest = hashlib.sha256(resource.encode()).hexdigest()[:_HASH_HEX]
-    room = MAX_SOCKET_PATH - _path_bytes(plugin_dir) - 1 - _SHORTEST_NAME - 1  # 1: the "-" before the hash
+    # 1: the "-" before the hash
+    room = MAX_SOCKET_PATH - _path_bytes(plugin_dir) - 1 - len("kxpu-") - _HASH_HEX - len(tail) - 1
     hint = resource.rpartition("/")[2].replace("_", "-")[: max(room, 0)]
-    return f"kxpu-{hint}-{digest}.sock" if hint else f"kxpu-{digest}.sock"
+    return f"kxpu-{hint}-{digest}{tail}" if hint else f"kxpu-{digest}{tail}"
 
 
-def check_socket_paths(plugin_dir: Path, resources: list[str]) -> None:
+def _new_instance() -> str:
+    return secrets.token_hex(_INSTANCE_HEX // 2)
+
+
+def remove_dead_instances(plugin_dir: Path, resource: str, keep: Path | None = None) -> list[str]:
+    """Handover alongside: remove this resource's sockets that nobody accepts on (a killed daemon's, whichever
+    handover it used); a live one (the pod being replaced) is left alone. Returns the names removed."""
+    prefix = socket_name(resource, plugin_dir, "0" * _INSTANCE_HEX).rpartition("@")[0] + "@"
+    shared = socket_name(resource, plugin_dir)  # what a daemon with handover standby served
+    removed = []
+    try:
+        entries = list(plugin_dir.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        ours = entry.name == shared or (entry.name.startswith(prefix) and entry.name.endswith(".sock"))
+        if not ours or entry == keep:
+            continue
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(entry.lstat().st_mode) and not live_socket(entry):
+                entry.unlink()
+                removed.append(entry.name)
+    return removed
+
+
+def check_socket_paths(
+    plugin_dir: Path, resources: list[str], handover: Literal["standby", "alongside"] = "standby"
+) -> None:
     """Refuse at load what bind() would refuse at serve time: a directory too long for any socket name."""
-    if _path_bytes(plugin_dir) > MAX_PLUGIN_DIR:
+    limit = MAX_PLUGIN_DIR if handover == "standby" else MAX_PLUGIN_DIR_ALONGSIDE
+    if _path_bytes(plugin_dir) > limit:
+        hint = (
+            " (or devicePluginHandover: standby, whose socket names are shorter)"
+            if handover != "standby"
+            else ""
+        )
         raise ValueError(
             f"devicePluginDir {plugin_dir} is {_path_bytes(plugin_dir)} bytes; kxpu needs at most "
-            f"{MAX_PLUGIN_DIR} (unix socket paths are limited to {MAX_SOCKET_PATH} bytes): use a shorter "
-            "device-plugin directory"
+            f"{limit} (unix socket paths are limited to {MAX_SOCKET_PATH} bytes): use a shorter "
+            f"device-plugin directory{hint}"
         )
     names = [socket_name(r, plugin_dir) for r in resources]
     clashes = sorted({n for n in names if names.count(n) > 1})
@@ -192,8 +237,10 @@ class ResourceRunner:
         build: BackendFactory,
         dra: DraFactory | None = None,
         withheld: Withheld | None = None,
+        handover: Literal["standby", "alongside"] = "standby",
     ) -> None:
         self.config = config
+        self.handover = handover
         self.withheld = withheld
         self._discovered: list[Device] = []
         self.plugin_dir = plugin_dir
@@ -201,7 +248,7 @@ class ResourceRunner:
         self.dra_factory = dra
         self.dra: DraServer | None = None  # while serving through DRA
         self._last_dra: DraServer | None = None  # for withdraw() after the runner stopped
-        self.socket_path = plugin_dir / socket_name(config.name, plugin_dir)
+        self.socket_path = self._socket_path()
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET
         self._phase = Phase.STARTING
         self.registrations = 0  # with the kubelet's device manager
@@ -210,12 +257,29 @@ class ResourceRunner:
         self.backend: Backend | None = None  # while the resource runs (telemetry samples it)
         self._servicer: DevicePluginServicer | None = None
         self._poked = asyncio.Event()
+        self._dropped = False  # handover alongside: the kubelet closed our last ListAndWatch stream
         self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
         # Set by stop(): what tells a requested stop from a failure. A task's cancelling() count cannot: on
         # Python 3.11 and 3.12 a TaskGroup whose child failed leaves its parent's count at 1 for good.
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self.log = log.bind(resource=config.name)
+
+    def _socket_path(self) -> Path:
+        """standby: the resource's one socket; alongside: a new name for each serve, never another process's."""
+        if self.handover == "standby":
+            return self.plugin_dir / socket_name(self.config.name, self.plugin_dir)
+        while True:
+            path = self.plugin_dir / socket_name(self.config.name, self.plugin_dir, _new_instance())
+            if not os.path.lexists(path):
+                return path
+
+    def _next_instance(self) -> None:
+        """Handover alongside: serve a name no other process serves, nor this one served before (the kubelet may
+        still hold the last one's endpoint), and clear away what killed daemons left."""
+        self.socket_path = self._socket_path()
+        if removed := remove_dead_instances(self.plugin_dir, self.config.name, self.socket_path):
+            self.log.info("removed sockets nobody serves (a killed daemon's)", sockets=removed)
 
     @property
     def phase(self) -> Phase:
@@ -257,6 +321,10 @@ class ResourceRunner:
         self._poked.set()
         if self.dra is not None:
             self.dra.poke()
+
+    def _kubelet_dropped(self) -> None:
+        self._dropped = True
+        self._poked.set()
 
     def stop(self) -> None:
         """Ask the runner to stop (SIGTERM, a reload): its task is cancelled, and a failure torn down meanwhile
@@ -315,7 +383,12 @@ class ResourceRunner:
                     f"{self.config.name} offers overlapping partitions, which only DRA can serve (the device plugin's "
                     "kubelet would hand them out together): set serve: dra"
                 )
-            servicer = DevicePluginServicer(self.config.name, backend, self.snapshot)
+            servicer = DevicePluginServicer(
+                self.config.name,
+                backend,
+                self.snapshot,
+                on_dropped=self._kubelet_dropped if self.handover == "alongside" else None,
+            )
             self._servicer = servicer
             self.log.info(
                 "backend ready",
@@ -428,12 +501,37 @@ class ResourceRunner:
         waiting_logged = False
         blocked: str | None = None  # the last ServeError logged, so that a retry loop logs it once
         blocked_relog = 0.0  # ... and again at this loop time if it still holds
+        drop_backoff = Backoff(initial=0.05, maximum=5.0)
+        last_drop = -DROP_RESET_SECONDS
         try:
             while True:
                 self._poked.clear()
+                if self._dropped and server is not None and registered_with is not None:
+                    # Handover alongside on a kubelet before 1.37: when the plugin it replaced goes, it disconnects
+                    # this one. Serve a new socket and register again (after a pause, so that the kubelet has done
+                    # disconnecting: a registration in the middle of it would be dropped too).
+                    now = asyncio.get_running_loop().time()
+                    if now - last_drop > DROP_RESET_SECONDS:
+                        drop_backoff.reset()
+                    last_drop, delay = now, drop_backoff.next_delay()
+                    self.log.warning(
+                        "the kubelet let go of this plugin; registering again on a new socket (a kubelet before "
+                        "1.37 does that when the plugin it replaced goes: set devicePluginHandover: standby there)",
+                        retry_in_s=round(delay, 2),
+                    )
+                    await self._retire(server, served)
+                    server, served, registered_with = None, None, None
+                    metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
+                    await asyncio.sleep(delay)
+                self._dropped = False
                 current = file_identity(self.socket_path)
                 if server is None or current != served:
-                    if current is not None and current != served and live_socket(self.socket_path):
+                    if (
+                        self.handover == "standby"
+                        and current is not None
+                        and current != served
+                        and live_socket(self.socket_path)
+                    ):
                         # Another kxpu (a rolling update's new pod, a manual run) serves this resource:
                         # leave it be rather than fight over the socket; take over when it goes.
                         if self.phase is not Phase.STANDBY:
@@ -449,6 +547,8 @@ class ResourceRunner:
                         self.log.warning("our socket was removed (kubelet restart?); serving again")
                         await stop_server(server, 0)
                         server, served = None, None
+                    if self.handover == "alongside":
+                        self._next_instance()
                     registered_with = None
                     metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
                     try:
@@ -486,6 +586,11 @@ class ResourceRunner:
                     except grpc.RpcError as exc:
                         self.phase = Phase.WAITING_FOR_KUBELET
                         metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
+                        if self.handover == "alongside":
+                            # The call may have registered this socket before it failed (a lost answer), and a
+                            # 1.37 kubelet asked twice for one socket refuses and forgets the first: a new one.
+                            await self._retire(server, served)
+                            server, served = None, None
                         delay = backoff.next_delay()
                         self.log.warning(
                             "registration failed; retrying",
@@ -506,10 +611,17 @@ class ResourceRunner:
         finally:
             if server is not None:
                 servicer.close_streams()  # first: the kubelet lets go of this plugin at once
-                await stop_server(server, 0.5)
-            if served is not None and file_identity(self.socket_path) == served:
-                with contextlib.suppress(FileNotFoundError):
-                    self.socket_path.unlink()
+            await self._retire(server, served, grace=0.5)
+
+    async def _retire(
+        self, server: grpc.aio.Server | None, served: FileIdentity | None, grace: float = 0
+    ) -> None:
+        """Stop serving, and remove our socket unless someone else's has replaced it since."""
+        if server is not None:
+            await stop_server(server, grace)
+        if served is not None and file_identity(self.socket_path) == served:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
 
     async def _serve(self, servicer: DevicePluginServicer) -> tuple[grpc.aio.Server, FileIdentity]:
         """Serve before registering: the kubelet dials back before it answers Register.

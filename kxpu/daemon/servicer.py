@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, cast
 
 import grpc
@@ -46,8 +46,17 @@ class Refused(Exception):
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
-    def __init__(self, resource: str, backend: Backend, snapshot: DeviceSnapshot) -> None:
+    def __init__(
+        self,
+        resource: str,
+        backend: Backend,
+        snapshot: DeviceSnapshot,
+        on_dropped: Callable[[], None] | None = None,
+    ) -> None:
         self.resource = resource
+        # Called when the kubelet has closed every ListAndWatch stream of ours while we were not stopping: it no
+        # longer holds this plugin (a kubelet before 1.37 drops the newest plugin when an older one goes).
+        self._on_dropped = on_dropped
         self.backend = backend
         self.snapshot = snapshot
         caps = capabilities_of(backend)
@@ -61,6 +70,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.log = log.bind(resource=resource)
         self._allocate_seconds = metrics.ALLOCATE_SECONDS.labels(resource)  # looked up once, not per call
         self._sent: dict[int, int] = {}  # open ListAndWatch stream → the snapshot version it last sent
+        self._open = 0  # ListAndWatch streams open now
         self._streams = itertools.count()
         self._failed = asyncio.Event()
         self._failure: Exception | None = None
@@ -92,6 +102,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     ) -> AsyncIterator[pb.ListAndWatchResponse]:
         self.log.info("kubelet opened ListAndWatch")
         stream = next(self._streams)
+        self._open += 1
         sent = -1
         closing = asyncio.ensure_future(self._closing.wait())
         try:
@@ -116,7 +127,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         finally:
             closing.cancel()
             self._sent.pop(stream, None)
+            self._open -= 1
             self.log.info("ListAndWatch closed")
+            if not self._open and not self._closing.is_set() and self._on_dropped is not None:
+                self._on_dropped()
 
     def _lookup(self, ids: Sequence[str], where: str) -> list[Device]:
         """The devices behind ``ids``, or Refused: never grant what the snapshot cannot vouch for."""

@@ -61,6 +61,9 @@ class PluginView:
     registered_at: float
     history: list[DeviceListEvent] = field(default_factory=list)
     stream_task: asyncio.Task[None] | None = None
+    # the kubelet let go of it (its stream ended, or another one's did: before 1.37)
+    disconnected: bool = False
+    orphaned: bool = False  # 1.37: its client forgotten after a second registration of its socket
 
     @property
     def devices(self) -> dict[str, str]:
@@ -165,8 +168,24 @@ class _PodResourcesLister(podres_grpc.PodResourcesListerServicer):
 
 
 class KubeletStandIn(pb_grpc.RegistrationServicer):
-    def __init__(self, plugin_dir: Path, pod_resources_socket: Path | None = None) -> None:
+    """The kubelet's device manager. ``endpoints_per_socket`` is Kubernetes 1.37's: a resource keeps every
+    registered socket (new calls go to the newest) and its devices count unhealthy only when the last one's stream
+    ends. Without it, as before 1.37, a new registration replaces the resource's plugin but leaves the old one's
+    stream open, and when any of the resource's streams ends the kubelet disconnects the newest plugin and counts
+    the devices unhealthy (kubelet/cm/devicemanager/plugin/v1beta1/handler.go, runClient)."""
+
+    def __init__(
+        self, plugin_dir: Path, pod_resources_socket: Path | None = None, endpoints_per_socket: bool = False
+    ) -> None:
         self.plugin_dir = plugin_dir
+        self.endpoints_per_socket = endpoints_per_socket
+        # resource → socket name → plugin (endpoints_per_socket): the ones the kubelet holds besides the newest
+        self.endpoints: dict[str, dict[str, PluginView]] = {}
+        self._superseded: list[
+            PluginView
+        ] = []  # before 1.37: replaced plugins whose streams the kubelet reads on
+        # resource → every device list the node took, from whichever plugin (what the Node's allocatable follows)
+        self.resource_history: dict[str, list[DeviceListEvent]] = {}
         self.pod_resources_socket = pod_resources_socket
         self.assignments: PodAssignments = {}
         self.claim_uses: dict[
@@ -209,7 +228,17 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
         if self._server is not None:
             await self._server.stop(0)
             self._server = None
-        for view in list(self.plugins.values()):
+        views = {
+            id(v): v
+            for v in [
+                *self.plugins.values(),
+                *self._superseded,
+                *(v for e in self.endpoints.values() for v in e.values()),
+            ]
+        }
+        self.endpoints.clear()
+        self._superseded.clear()
+        for view in views.values():
             await self._drop(view)
         with contextlib.suppress(FileNotFoundError):
             self.socket.unlink()
@@ -244,12 +273,21 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
                 view = await self._dial(request)
             except (grpc.RpcError, TimeoutError) as exc:
                 reason = f"failed to dial device plugin {request.endpoint}: {exc}"
+        held = self.endpoints.get(request.resource_name, {})
+        if reason is None and self.endpoints_per_socket and request.endpoint in held:
+            # 1.37 dials, then refuses a socket it holds; its clean-up forgets the client it held there too, so the
+            # end of that one's stream goes unnoticed and its endpoint stays (connectClient, deregisterClient).
+            held[request.endpoint].orphaned = True
+            await view.channel.close(None)
+            reason = f"device plugin already connected: {self.plugin_dir / request.endpoint}"
         if reason is not None:
             self.rejections.append(reason)
             await context.abort(grpc.StatusCode.UNKNOWN, reason)
         old = self.plugins.get(request.resource_name)
-        if old is not None:
-            await self._drop(old)
+        if self.endpoints_per_socket:
+            self.endpoints.setdefault(request.resource_name, {})[request.endpoint] = view
+        elif old is not None and not old.disconnected:
+            self._superseded.append(old)
         self.plugins[request.resource_name] = view
         if self.open_list_and_watch:
             view.stream_task = asyncio.create_task(self._consume(view))
@@ -295,12 +333,38 @@ class KubeletStandIn(pb_grpc.RegistrationServicer):
                 await self._record(view, devices)
         except grpc.RpcError:
             pass
+        if not self.endpoints_per_socket:
+            await self._disconnect_newest(view.resource)
+            return
+        held = self.endpoints.get(view.resource, {})
+        if view.orphaned:
+            return
+        if held.get(view.endpoint) is view:
+            del held[view.endpoint]
+            if held:  # 1.37: another plugin still serves the resource; it becomes the one called
+                self.plugins[view.resource] = next(iter(held.values()))
+                async with self._changed:
+                    self._changed.notify_all()
+                return
         # The stream ended: like the kubelet, count every device of the resource unhealthy.
         await self._record(view, dict.fromkeys(view.devices, "Unhealthy"))
 
+    async def _disconnect_newest(self, resource: str) -> None:
+        """Before 1.37: whichever of the resource's streams ended, the kubelet disconnects the plugin it registered
+        last and counts every device unhealthy; with none registered (already disconnected), nothing happens."""
+        newest = self.plugins.get(resource)
+        if newest is None or newest.disconnected:
+            return
+        newest.disconnected = True
+        if newest.stream_task is not asyncio.current_task():
+            await self._drop(newest)
+        await self._record(newest, dict.fromkeys(newest.devices, "Unhealthy"))
+
     async def _record(self, view: PluginView, devices: dict[str, str]) -> None:
         async with self._changed:
-            view.history.append(DeviceListEvent(time.monotonic(), devices))
+            event = DeviceListEvent(time.monotonic(), devices)
+            view.history.append(event)
+            self.resource_history.setdefault(view.resource, []).append(event)
             self._changed.notify_all()
 
     # -- what tests do with it ---------------------------------------------------------------------

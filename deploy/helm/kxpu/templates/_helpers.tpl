@@ -130,6 +130,19 @@ the lock Leases in the release namespace. */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- /* plugin.devicePluginHandover: every node config that names no devicePluginHandover gets it. */}}
+{{- $handover := toString (.Values.plugin.devicePluginHandover | default "auto") }}
+{{- if not (has $handover (list "auto" "alongside" "standby")) }}
+{{- fail (printf "plugin.devicePluginHandover: %q is not auto, alongside or standby" $handover) }}
+{{- end }}
+{{- if eq $handover "auto" }}
+{{- $handover = ternary "alongside" "standby" (semverCompare ">=1.37.0-0" .Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- range $out }}
+{{- if and (kindIs "map" .config) (not (hasKey .config "devicePluginHandover")) }}
+{{- $_ := set .config "devicePluginHandover" $handover }}
+{{- end }}
+{{- end }}
 {{- /* dra.taints: the taint effect per fault class for every resource served through DRA that names none. */}}
 {{- if .Values.dra.taints }}
 {{- range $out }}
