@@ -106,3 +106,55 @@ def test_kxpu_restart_and_kill(e2e: E2E) -> None:
     c, _, c_ids = _running_pod(e2e, "c")
     _assert_untouched(e2e, {a: a_state, b: b_state})
     _assert_no_device_shared(e2e, [a, b, c], {a: a_ids, b: b_ids, c: c_ids})
+
+
+def test_a_rolling_update_alongside(e2e: E2E) -> None:
+    """Two daemons as a DaemonSet rolled with surge runs them, with devicePluginHandover alongside, on the real kubelet:
+    each serves a socket of its own and registers it. A 1.37 kubelet keeps both, so when the old one stops the
+    resource never loses its last plugin (the kubelet's own log says so); an older kubelet disconnects the newer one
+    then, and kxpu registers it again at once. Either way the running pod keeps its device and a new pod gets one."""
+    old = e2e.kxpu([simulated()], devicePluginHandover="alongside")
+    kube.wait_resource(e2e.cluster, NPU, allocatable=4, capacity=4)
+    a, a_state, a_ids = _running_pod(e2e, "a")
+    kubelet_log = e2e.cluster.log_file("kubelet")
+    log_from = kubelet_log.stat().st_size
+    (old_socket,) = _alongside_sockets()
+
+    new = e2e.kxpu([simulated()], devicePluginHandover="alongside")
+    kube.wait_until("the new daemon registered", lambda: "registered with the kubelet" in new.log_text(), 60)
+    served = _alongside_sockets()
+    assert len(served) == 2 and old_socket in served, served  # one socket each, side by side
+    assert old.stop(signal.SIGTERM) == 0
+
+    def kubelet_lines() -> list[str]:
+        with kubelet_log.open("rb") as log:
+            log.seek(log_from)
+            return log.read().decode(errors="replace").splitlines()
+
+    if e2e.cluster.release_tuple >= (1, 37):
+        kube.wait_until(
+            "the kubelet to let go of the old daemon's socket",
+            lambda: any("Deregistered client" in line and NPU in line for line in kubelet_lines()),
+            30,
+        )
+        lost = [
+            line for line in kubelet_lines() if "Last device plugin for this resource disconnected" in line
+        ]
+        assert not lost, lost
+        assert "the kubelet let go of this plugin" not in new.log_text()
+    else:
+        kube.wait_until(
+            "kxpu to register again after the kubelet dropped it",
+            lambda: "the kubelet let go of this plugin; registering again" in new.log_text(),
+            30,
+        )
+    kube.wait_resource(e2e.cluster, NPU, allocatable=4, capacity=4, timeout=30)
+    (left,) = _alongside_sockets()
+    assert left != old_socket  # the old daemon removed its socket; the new one serves its own
+    b, _, b_ids = _running_pod(e2e, "b")
+    _assert_untouched(e2e, {a: a_state})
+    _assert_no_device_shared(e2e, [a, b], {a: a_ids, b: b_ids})
+
+
+def _alongside_sockets() -> list[str]:
+    return sorted(p.name for p in DEVICE_PLUGIN_DIR.glob("kxpu-example.com_npu@*.sock"))
