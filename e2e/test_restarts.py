@@ -120,7 +120,10 @@ def test_a_rolling_update_alongside(e2e: E2E) -> None:
     log_from = kubelet_log.stat().st_size
     (old_socket,) = _alongside_sockets()
 
-    new = e2e.kxpu([simulated()], devicePluginHandover="alongside")
+    # A pod of its own has its own network namespace; on the host the second daemon takes another port.
+    new = e2e.kxpu(
+        [simulated()], env={"KXPU_HTTP_ADDRESS": "127.0.0.1:5979"}, devicePluginHandover="alongside"
+    )
     kube.wait_until("the new daemon registered", lambda: "registered with the kubelet" in new.log_text(), 60)
     served = _alongside_sockets()
     assert len(served) == 2 and old_socket in served, served  # one socket each, side by side
