@@ -4,6 +4,7 @@ update. The daemons are separate processes; the kubelet stand-in mirrors 1.37's 
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -82,6 +83,21 @@ async def test_alongside_on_a_kubelet_before_1_37_registers_again_when_it_is_dro
     assert "the kubelet let go of this plugin; registering again on a new socket" in second.log_text()
     await wait_until(lambda: instances(plugin_dir) == [again.endpoint], what="only the live socket left")
     await wait_ready(second)
+
+
+async def test_a_failed_registration_is_retried_on_a_new_socket(
+    kubelet: KubeletStandIn, write_config: Callable[..., Path], daemons: Callable[..., Any], plugin_dir: Path
+) -> None:
+    """A Register that failed may still have registered the socket (its answer lost); a 1.37 kubelet asked twice for
+    one socket refuses and forgets the first, so the retry serves and registers a new one."""
+    kubelet.endpoints_per_socket = True
+    kubelet.reject_next = 1
+    daemon = await daemons(write_config([simulated()], devicePluginHandover="alongside"))
+    view = await kubelet.wait_registered(NPU)
+    served = re.findall(r"event=serving .*socket=\S*/(\S+)", daemon.log_text())
+    assert len(served) == 2 and served[1] == view.endpoint != served[0], served
+    assert instances(plugin_dir) == [view.endpoint]  # the first one's socket removed
+    assert kubelet.rejections == ["registration refused by the test"]
 
 
 async def test_sockets_a_killed_daemon_left_are_removed_and_a_live_one_is_not(

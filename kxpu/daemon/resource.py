@@ -258,6 +258,7 @@ class ResourceRunner:
         self._servicer: DevicePluginServicer | None = None
         self._poked = asyncio.Event()
         self._dropped = False  # handover alongside: the kubelet closed our last ListAndWatch stream
+        self._last_served: Path | None = None
         self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
         # Set by stop(): what tells a requested stop from a failure. A task's cancelling() count cannot: on
         # Python 3.11 and 3.12 a TaskGroup whose child failed leaves its parent's count at 1 for good.
@@ -277,7 +278,10 @@ class ResourceRunner:
     def _next_instance(self) -> None:
         """Handover alongside: serve a name no other process serves, nor this one served before (the kubelet may
         still hold the last one's endpoint), and clear away what killed daemons left."""
-        self.socket_path = self._socket_path()
+        if self.socket_path == self._last_served or os.path.lexists(
+            self.socket_path
+        ):  # else never served: kept
+            self.socket_path = self._socket_path()
         if removed := remove_dead_instances(self.plugin_dir, self.config.name, self.socket_path):
             self.log.info("removed sockets nobody serves (a killed daemon's)", sockets=removed)
 
@@ -553,6 +557,7 @@ class ResourceRunner:
                     metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
                     try:
                         server, served = await self._serve(servicer)
+                        self._last_served = self.socket_path
                     except ServeError as exc:
                         # An obstacle in the directory (a directory where our socket goes): the backend keeps
                         # running, and the directory watch pokes us the moment the obstacle is gone.
