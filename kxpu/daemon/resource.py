@@ -258,6 +258,8 @@ class ResourceRunner:
         self._servicer: DevicePluginServicer | None = None
         self._poked = asyncio.Event()
         self._dropped = False  # handover alongside: the kubelet closed our last ListAndWatch stream
+        self._drop_backoff = Backoff(initial=0.05, maximum=5.0)
+        self._last_drop = -DROP_RESET_SECONDS
         self._last_served: Path | None = None
         self._reported: dict[str, Device] = {}  # what metrics last saw, across restarts of this runner
         # Set by stop(): what tells a requested stop from a failure. A task's cancelling() count cannot: on
@@ -278,9 +280,8 @@ class ResourceRunner:
     def _next_instance(self) -> None:
         """Handover alongside: serve a name no other process serves, nor this one served before (the kubelet may
         still hold the last one's endpoint), and clear away what killed daemons left."""
-        if self.socket_path == self._last_served or os.path.lexists(
-            self.socket_path
-        ):  # else never served: kept
+        # A name never served (the first, or one whose serve failed) is kept: `kxpu status` shows what is served.
+        if self.socket_path == self._last_served or os.path.lexists(self.socket_path):
             self.socket_path = self._socket_path()
         if removed := remove_dead_instances(self.plugin_dir, self.config.name, self.socket_path):
             self.log.info("removed sockets nobody serves (a killed daemon's)", sockets=removed)
@@ -329,6 +330,21 @@ class ResourceRunner:
     def _kubelet_dropped(self) -> None:
         self._dropped = True
         self._poked.set()
+
+    def _delay_after_drop(self) -> float:
+        """How long to wait before registering again after the kubelet let go of us: 50 ms (the kubelet is done
+        disconnecting by then; a registration in the middle of it would be dropped too), backing off if it repeats."""
+        now = asyncio.get_running_loop().time()
+        if now - self._last_drop > DROP_RESET_SECONDS:
+            self._drop_backoff.reset()
+        self._last_drop = now
+        delay = self._drop_backoff.next_delay()
+        self.log.warning(
+            "the kubelet let go of this plugin; registering again on a new socket (a kubelet before "
+            "1.37 does that when the plugin it replaced goes: set devicePluginHandover: standby there)",
+            retry_in_s=round(delay, 2),
+        )
+        return delay
 
     def stop(self) -> None:
         """Ask the runner to stop (SIGTERM, a reload): its task is cancelled, and a failure torn down meanwhile
@@ -505,24 +521,13 @@ class ResourceRunner:
         waiting_logged = False
         blocked: str | None = None  # the last ServeError logged, so that a retry loop logs it once
         blocked_relog = 0.0  # ... and again at this loop time if it still holds
-        drop_backoff = Backoff(initial=0.05, maximum=5.0)
-        last_drop = -DROP_RESET_SECONDS
         try:
             while True:
                 self._poked.clear()
                 if self._dropped and server is not None and registered_with is not None:
                     # Handover alongside on a kubelet before 1.37: when the plugin it replaced goes, it disconnects
-                    # this one. Serve a new socket and register again (after a pause, so that the kubelet has done
-                    # disconnecting: a registration in the middle of it would be dropped too).
-                    now = asyncio.get_running_loop().time()
-                    if now - last_drop > DROP_RESET_SECONDS:
-                        drop_backoff.reset()
-                    last_drop, delay = now, drop_backoff.next_delay()
-                    self.log.warning(
-                        "the kubelet let go of this plugin; registering again on a new socket (a kubelet before "
-                        "1.37 does that when the plugin it replaced goes: set devicePluginHandover: standby there)",
-                        retry_in_s=round(delay, 2),
-                    )
+                    # this one. Serve a new socket and register again.
+                    delay = self._delay_after_drop()
                     await self._retire(server, served)
                     server, served, registered_with = None, None, None
                     metrics.RESOURCE_REGISTERED.labels(self.config.name).set(0)
