@@ -28,6 +28,9 @@ from kxpu.dra.config import (
 from kxpu.logs import one_line
 from kxpu.sharing.config import SharingConfig
 
+# How a second daemon takes a device-plugin resource over (Config.device_plugin_handover says how each works).
+Handover = Literal["standby", "alongside"]
+
 DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 KUBELET_CHECKPOINT = "kubelet_internal_checkpoint"
@@ -218,7 +221,7 @@ class Config(_Model):
         default=DEFAULT_POD_RESOURCES_SOCKET,
         description="the kubelet's PodResources API: who holds which device (telemetry; DRA during a migration)",
     )
-    device_plugin_handover: Literal["standby", "alongside"] = Field(
+    device_plugin_handover: Handover = Field(
         default="standby",
         description=(
             "how a second daemon (a rolling update's new pod) takes a device-plugin resource over: standby waits "

@@ -20,13 +20,13 @@ import socket
 import stat
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from kxpu.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from kxpu.backoff import Backoff
-from kxpu.config import ResourceConfig
+from kxpu.config import Handover, ResourceConfig
 from kxpu.daemon import metrics
 from kxpu.daemon.registration import FileIdentity, file_identity, register
 from kxpu.daemon.servicer import DevicePluginServicer
@@ -180,9 +180,7 @@ def remove_dead_instances(plugin_dir: Path, resource: str, keep: Path | None = N
     return removed
 
 
-def check_socket_paths(
-    plugin_dir: Path, resources: list[str], handover: Literal["standby", "alongside"] = "standby"
-) -> None:
+def check_socket_paths(plugin_dir: Path, resources: list[str], handover: Handover = "standby") -> None:
     """Refuse at load what bind() would refuse at serve time: a directory too long for any socket name."""
     limit = MAX_PLUGIN_DIR if handover == "standby" else MAX_PLUGIN_DIR_ALONGSIDE
     if _path_bytes(plugin_dir) > limit:
@@ -237,7 +235,7 @@ class ResourceRunner:
         build: BackendFactory,
         dra: DraFactory | None = None,
         withheld: Withheld | None = None,
-        handover: Literal["standby", "alongside"] = "standby",
+        handover: Handover = "standby",
     ) -> None:
         self.config = config
         self.handover = handover
