@@ -61,7 +61,7 @@ demo-standin: dev
 
 bench: dev
 	$(BIN)/python bench/bench_daemon.py
-	$(BIN)/python bench/bench_startup.py
+	$(BIN)/python bench/bench_startup.py --libs-floor
 	$(BIN)/python bench/bench_allocate.py
 	$(BIN)/python bench/bench_nvidia.py
 	$(BIN)/python bench/bench_telemetry.py

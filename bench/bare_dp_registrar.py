@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import kept_libraries
 
 
 def _field(number: int, data: bytes) -> bytes:
@@ -80,4 +81,6 @@ async def main(resource: str, plugin_dir: str, count: int) -> None:
 
 
 if __name__ == "__main__":
+    if kept_libraries.wanted():  # bench_startup.py --libs-floor
+        kept_libraries.load(dra=False)
     asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))

@@ -15,6 +15,7 @@ import signal
 import sys
 
 import grpc
+import kept_libraries
 
 
 def _field(number: int, value: str) -> bytes:
@@ -51,4 +52,6 @@ async def main(driver: str, registry: str, plugins: str) -> None:
 
 
 if __name__ == "__main__":
+    if kept_libraries.wanted():  # bench_startup.py --libs-floor
+        kept_libraries.load(dra=True)
     asyncio.run(main(*sys.argv[1:4]))

@@ -1,21 +1,27 @@
 """exec → registered with the kubelet, and RSS once registered: kxpu against a bare Python gRPC server, both paths.
 
-Per run, each contender is started as its own process (``python -S``, this venv's site-packages on the path, so
-every contender pays the same interpreter start) against a kubelet stand-in over the real sockets, one after the
+Per run, each contender is started as its own process (``python -S``, that interpreter's site-packages on the path,
+so every contender pays the same interpreter start) against a kubelet stand-in over the real sockets, one after the
 other, interleaved over ``RUNS`` runs (medians reported):
 
 - **bare-dp**: ``bench/bare_dp_registrar.py``, a grpc.aio device plugin with 64 devices (the floor);
 - **kxpu-dp**: ``kxpu plugin`` serving one resource of 64 simulated devices through the Device Plugin API;
 - **bare-dra**: ``bench/bare_dra_registrar.py``, a grpc.aio server that only registers a DRA driver (the floor);
 - **kxpu-dra**: ``kxpu plugin`` serving the same 64 simulated devices through DRA (no API server:
-  ``KUBECONFIG`` points nowhere, so the API calls fail after registration, as in ``bench_dra_vs_go --startup``).
+  ``KUBECONFIG`` points nowhere, so the API calls fail after registration, as in ``bench_dra_vs_go --startup``);
+- with ``--libs-floor``, **bare-dp+libs** and **bare-dra+libs**: the bare floors loading and using once, before
+  their first socket, the libraries kxpu loads before it registers (``bench/kept_libraries.py``: click, YAML,
+  pydantic, structlog, the generated protobuf modules, asyncinotify) and none of kxpu's own code. kxpu above
+  them is its own code; they above the bare floor are what the libraries the design keeps cost.
 
 exec → registered is the stand-in's registration time (device plugin: once it has dialled the plugin back;
 DRA: once the driver answered GetInfo) less the time of exec. RSS is read ``--settle`` seconds after
 registration. ``--baseline TREE`` runs kxpu from another source tree (a git worktree of an earlier commit)
 beside this one in every run: before and after on the same machine, same load.
 
-``python bench/bench_startup.py [--runs 7] [--baseline TREE] [--json]``. No cluster, no root.
+``python bench/bench_startup.py [--runs 7] [--baseline TREE] [--libs-floor] [--python PATH] [--json]``: ``--python`` is the
+interpreter the contenders run on (default: this repo's ``.venv``; on a lent machine, the venv that
+``hack/gpu-startup-check.sh`` makes). No cluster, no root.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from measure import rss_mb
+from measure import compile_tree, rss_mb
+
+# Where kxpu is not installed in the interpreter (``--python`` on a lent machine): this tree's.
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from kxpu.testing import KubeletStandIn
 from kxpu.testing.dra import DraKubeletStandIn
@@ -43,12 +52,20 @@ DRIVER = "npu.example.com"
 DEVICES = 64
 
 
-def _python() -> list[str]:
-    return [str(REPO / ".venv" / "bin" / "python"), "-S"]
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 
 
-def _site() -> str:
-    return str(next((REPO / ".venv" / "lib").glob("python3*/site-packages")))
+def _python(python: Path = VENV_PYTHON) -> list[str]:
+    return [str(python), "-S"]
+
+
+def _site(python: Path = VENV_PYTHON) -> str:
+    """``python``'s site-packages (and what PYTHONPATH adds), put on the path of a contender started with ``-S``."""
+    code = "import os, site; print(os.pathsep.join(site.getsitepackages()))"
+    found = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return os.pathsep.join(p for p in (found, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _kxpu_config(work: Path, dra: bool) -> Path:
@@ -68,23 +85,35 @@ def _kxpu_config(work: Path, dra: bool) -> Path:
     return path
 
 
-async def one(name: str, tree: Path | None, work: Path, settle: float) -> tuple[float, float]:
+async def one(
+    name: str, tree: Path | None, work: Path, settle: float, python: Path = VENV_PYTHON
+) -> tuple[float, float]:
     """(exec → registered in ms, RSS in MB ``settle`` s later) of one contender."""
-    dra = name.endswith("dra") or "-dra@" in name
+    dra = "-dra" in name
     for d in ("dp", "plugins", "registry"):
         (work / d).mkdir(parents=True, exist_ok=True)
-    if tree is None:  # a bare floor
+    if tree is None:  # a bare floor; with the kept libraries, the generated modules from this tree
         script = REPO / "bench" / ("bare_dra_registrar.py" if dra else "bare_dp_registrar.py")
         args = (
             [DRIVER, str(work / "registry"), str(work / "plugins")] if dra else [RESOURCE, str(work / "dp")]
         )
-        command = [*_python(), str(script), *args, *([] if dra else [str(DEVICES)])]
-        path = _site()
+        command = [*_python(python), str(script), *args, *([] if dra else [str(DEVICES)])]
+        path = f"{REPO}:{_site(python)}" if name.endswith("+libs") else _site(python)
     else:
         config = _kxpu_config(work, dra)
-        command = [*_python(), "-m", "kxpu", "plugin", "--config", str(config), "--log-level", "warning"]
-        path = f"{tree}:{_site()}"
+        command = [
+            *_python(python),
+            "-m",
+            "kxpu",
+            "plugin",
+            "--config",
+            str(config),
+            "--log-level",
+            "warning",
+        ]
+        path = f"{tree}:{_site(python)}"
     env = {**os.environ, "PYTHONPATH": path, "KUBECONFIG": "/nonexistent", "NODE_NAME": "node-a"}
+    env["BARE_WITH_LIBS"] = "1" if name.endswith("+libs") else "0"
     kubelet: Any = DraKubeletStandIn(work / "registry") if dra else KubeletStandIn(work / "dp")
     await kubelet.start()
     loop = asyncio.get_running_loop()
@@ -111,21 +140,27 @@ async def one(name: str, tree: Path | None, work: Path, settle: float) -> tuple[
         await kubelet.stop()
 
 
-async def bench(runs: int, baseline: Path | None, settle: float) -> dict[str, dict[str, float]]:
-    trees: list[tuple[str, Path | None]] = [("", REPO)]
+async def bench(
+    runs: int, baseline: Path | None, settle: float, python: Path = VENV_PYTHON, libs_floor: bool = False
+) -> dict[str, dict[str, float]]:
+    trees: list[tuple[str, Path]] = [("", REPO)]
     if baseline is not None:
         trees.insert(0, ("@baseline", baseline))
     contenders: list[tuple[str, Path | None]] = []
     for path in ("dp", "dra"):
         contenders.append((f"bare-{path}", None))
+        if libs_floor:
+            contenders.append((f"bare-{path}+libs", None))
         contenders += [(f"kxpu-{path}{suffix}", tree) for suffix, tree in trees]
+    for _, source in trees:
+        compile_tree(python, source)
     samples: dict[str, dict[str, list[float]]] = {}
     base = Path(tempfile.mkdtemp(prefix="kxpu-startup-", dir="/tmp"))
     try:
         for n in range(runs):
             for name, tree in contenders:
                 work = base / f"{n}-{name}"
-                ms, rss = await one(name, tree, work, settle)
+                ms, rss = await one(name, tree, work, settle, python)
                 figures = samples.setdefault(name, {})
                 figures.setdefault("exec_to_registered_ms", []).append(ms)
                 figures.setdefault("rss_mb", []).append(rss)
@@ -144,9 +179,15 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=7, help="interleaved runs of each contender")
     parser.add_argument("--baseline", type=Path, help="another kxpu source tree, measured beside this one")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds after registration before RSS")
+    parser.add_argument(
+        "--python", type=Path, default=VENV_PYTHON, help="the interpreter the contenders run on"
+    )
+    parser.add_argument(
+        "--libs-floor", action="store_true", help="also the bare floors with the libraries kxpu keeps"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results = asyncio.run(bench(args.runs, args.baseline, args.settle))
+    results = asyncio.run(bench(args.runs, args.baseline, args.settle, args.python, args.libs_floor))
     print(f"exec → registered and RSS, medians of {args.runs} interleaved runs, {os.cpu_count()} CPUs\n")
     print("| contender | exec → registered (ms) | x its bare floor | RSS (MB) |\n|---|---|---|---|")
     for name, figures in results.items():

@@ -8,9 +8,13 @@
 #   .gpu-bin/nvidia-device-plugin   from hack/nvidia-device-plugin/build.sh.
 # Env: OUT (results; default ./out), PYTHON (python3), KXPU_WHEELS (.whl), KXPU_NVIDIA_DEVICE_PLUGIN
 # (.gpu-bin/nvidia-device-plugin), KXPU_CHECK_SECONDS (270), KXPU_GPU_VENV (/tmp/kxpu-gpu-venv: made anew
-# and left for what runs next, e.g. hack/gpu-check; where venv fails it holds site/ for PYTHONPATH instead).
-# Writes $OUT/nvidia-vs-go.json (rewritten after every run, so a run cut short still has its figures) and
-# $OUT/gpu-startup-check.log.
+# and left for what runs next, e.g. hack/gpu-check; where venv fails it holds site/ for PYTHONPATH instead),
+# KXPU_BENCHES (which benches, in order; default "nvidia"):
+#   nvidia    bench/bench_nvidia_vs_go.py with the extra arguments: $OUT/nvidia-vs-go.json (rewritten after
+#             every run, so a run cut short still has its figures);
+#   startup   bench/bench_startup.py --runs 7 --libs-floor on this machine's CPUs, no GPU needed: $OUT/startup.txt;
+#   dra-cpu   bench/bench_dra_prepare_cpu.py --rounds 5 --files-floor: $OUT/dra-cpu.txt.
+# The log is $OUT/gpu-startup-check.log.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -62,16 +66,37 @@ fi
 timeout 60 "$PY" -m compileall -q "$ROOT/kxpu" "$ROOT/bench" >/dev/null
 say "installed in $((BUDGET - $(left))) s; $(left) s left"
 
-args=(--out "$OUT/nvidia-vs-go.json" --python "$PY")
-if [[ -f $NVIDIA_BIN ]]; then
-  cp "$NVIDIA_BIN" "$VENV/nvidia-device-plugin" && chmod +x "$VENV/nvidia-device-plugin"
-  args+=(--nvidia-bin "$VENV/nvidia-device-plugin")
-else
-  say "no $NVIDIA_BIN: kxpu alone"
-fi
 export PYTHONUNBUFFERED=1
-timeout -k 10 "$(($(left) - 5))" "$PY" "$ROOT/bench/bench_nvidia_vs_go.py" "${args[@]}" \
-  --deadline "$(($(left) - 20))" "$@"
-status=$?
-say "bench exited with status $status after $((BUDGET - $(left))) s; the environment stays in $VENV"
+status=0
+for bench in ${KXPU_BENCHES:-nvidia}; do
+  say "$bench: $(left) s left"
+  case $bench in
+    nvidia)
+      args=(--out "$OUT/nvidia-vs-go.json" --python "$PY")
+      if [[ -f $NVIDIA_BIN ]]; then
+        cp "$NVIDIA_BIN" "$VENV/nvidia-device-plugin" && chmod +x "$VENV/nvidia-device-plugin"
+        args+=(--nvidia-bin "$VENV/nvidia-device-plugin")
+      else
+        say "no $NVIDIA_BIN: kxpu alone"
+      fi
+      timeout -k 10 "$(($(left) - 5))" "$PY" "$ROOT/bench/bench_nvidia_vs_go.py" "${args[@]}" \
+        --deadline "$(($(left) - 20))" "$@"
+      ;;
+    startup)
+      timeout -k 10 "$(($(left) - 5))" "$PY" "$ROOT/bench/bench_startup.py" --runs 7 --libs-floor --python "$PY" \
+        2>"$OUT/startup.err" | tee "$OUT/startup.txt"
+      ;;
+    dra-cpu)
+      timeout -k 10 "$(($(left) - 5))" "$PY" "$ROOT/bench/bench_dra_prepare_cpu.py" --rounds 5 --files-floor \
+        2>"$OUT/dra-cpu.err" | tee "$OUT/dra-cpu.txt"
+      ;;
+    *)
+      say "unknown bench $bench (KXPU_BENCHES takes nvidia, startup, dra-cpu)"
+      false
+      ;;
+  esac
+  rc=$?
+  ((rc == 0)) || status=$rc
+done
+say "benches done with status $status after $((BUDGET - $(left))) s; the environment stays in $VENV"
 exit $status

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
+import os
 import re
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,7 @@ DEVICE_PLUGIN_UNUSED = [
 ]
 ALLOWED = {"kxpu.sharing.config", "kxpu.dra.config"}
 
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 _IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", re.M)
 
 
@@ -256,3 +260,64 @@ async def test_a_node_draining_an_old_dra_driver_still_registers_before_it_loads
     assert "kxpu.dra.leftover" in _loaded(log)  # the draining driver is served
     registered = _first_line(text, r"component=kxpu\.daemon\.\w+ event=\"registered with the kubelet\"")
     assert all(_import_line(text, m) > registered for m in AFTER_REGISTRATION), text
+
+
+def _libraries(report: str, before: int | None = None) -> set[str]:
+    """The third-party packages (top-level names, neither the standard library nor kxpu) a process imported, in
+    its import report, up to line ``before``."""
+    text = report if before is None else "\n".join(report.splitlines()[:before])
+    tops = {m.split(".")[0] for m in _IMPORTED.findall(text)}
+    # The report also names what was only tried (a library's optional extras, not installed) and what site
+    # loads (private names): neither is a library the process holds.
+    tops = {t for t in tops if not t.startswith("_") and importlib.util.find_spec(t) is not None}
+    return tops - set(sys.stdlib_module_names) - {"kxpu", "kept_libraries"}
+
+
+@pytest.mark.parametrize("dra", [False, True], ids=["device-plugin", "dra"])
+async def test_the_benchs_library_floor_loads_what_a_starting_daemon_loads(workdir: Path, dra: bool) -> None:
+    """bench/bench_startup.py's ``--libs-floor`` contenders stand for the libraries kxpu cannot start without:
+    the bare registrar with ``bench/kept_libraries.py`` must load exactly the third-party packages a starting
+    daemon has loaded when it registers, no fewer (the floor would flatter kxpu) and no more (it would blame the
+    libraries for kxpu's own choices)."""
+    resource = "npu.example.com" if dra else "example.com/npu"
+    config, log = _config(workdir, dra=dra), workdir / "daemon.log"
+    async with _registered(workdir, config, resource, dra=dra, NODE_NAME="node-a") as daemon:
+        assert await daemon.stop() == 0
+    text = log.read_text()
+    component = r"kxpu\.dra\.plugin" if dra else r"kxpu\.daemon\.\w+"
+    registered = _first_line(text, rf"component={component} event=\"registered with the kubelet\"")
+    daemon_libraries = _libraries(text, before=registered)
+    assert {"pydantic", "grpc", "google"} <= daemon_libraries  # the report is read
+
+    floor = workdir / "floor"
+    kubelet: KubeletStandIn | DraKubeletStandIn = (
+        DraKubeletStandIn(floor / "registry") if dra else KubeletStandIn(floor / "dp")
+    )
+    for d in ("dp", "plugins", "registry"):
+        (floor / d).mkdir(parents=True)
+    script = BENCH / ("bare_dra_registrar.py" if dra else "bare_dp_registrar.py")
+    args = (
+        [resource, str(floor / "registry"), str(floor / "plugins")]
+        if dra
+        else [resource, str(floor / "dp"), "4"]
+    )
+    env = {
+        **os.environ,
+        "PYTHONPROFILEIMPORTTIME": "1",
+        "BARE_WITH_LIBS": "1",
+        "PYTHONPATH": str(BENCH.parent),
+    }
+    await kubelet.start()
+    try:
+        with (floor / "log").open("wb") as out:
+            bare = await asyncio.create_subprocess_exec(
+                sys.executable, str(script), *args, stdout=out, stderr=out, env=env, cwd=floor
+            )
+        try:
+            await kubelet.wait_registered(resource, timeout=60)
+        finally:
+            bare.terminate()
+            assert await asyncio.wait_for(bare.wait(), 20) == 0
+    finally:
+        await kubelet.stop()
+    assert _libraries((floor / "log").read_text()) == daemon_libraries
